@@ -1,0 +1,94 @@
+"""The actor's inference engine: vLLM's AsyncLLM, continuously batched, with weight updates.
+
+Behaviour logprobs: `logprobs_mode="processed_logprobs"` makes vLLM return the
+logprob of each sampled token under the distribution it was actually sampled
+from (after temperature), which is what the learner's importance ratio needs.
+Prefix caching is off: a cached prefix computed by old weights would make a new
+request's logprobs belong to no single policy version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocol.config import Config
+from protocol.messages import WeightSync
+
+
+@dataclass(kw_only=True, slots=True)
+class Completion:
+    token_ids: np.ndarray  # int32 [len]
+    logprobs: np.ndarray  # float32 [len]
+    finish_reason: str
+    text: str
+
+
+def engine_env(cfg: Config) -> None:
+    """Environment the vLLM CPU build reads at start (set before the engine spawns its processes)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.actor.kvcache_gib))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.actor.cpu_bind)
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.actor.threads))
+
+
+class Engine:
+    def __init__(self, cfg: Config):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_env(cfg)
+        self.cfg = cfg
+        args = AsyncEngineArgs(
+            model=cfg.model.path,
+            dtype=cfg.model.dtype,
+            seed=cfg.run.seed,
+            max_model_len=cfg.actor.max_model_len,
+            max_num_seqs=cfg.actor.max_num_seqs,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="actors.worker_ext.FleetWeightReceiver",
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        self.tokenizer = None
+
+    async def generate_group(self, prompt_tokens: np.ndarray, n: int, seed: int | None = None) -> list[Completion]:
+        """`n` completions of one prompt as one request (vLLM fans it out to n sequences)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=n, temperature=self.cfg.rollout.temperature, max_tokens=self.cfg.rollout.max_tokens, logprobs=0,
+            seed=seed, output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=True,
+        )
+        final = None
+        prompt = {"prompt_token_ids": [int(t) for t in prompt_tokens]}
+        async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
+            final = out
+        assert final is not None and len(final.outputs) == n, "engine returned no or partial output"
+        completions = []
+        for c in final.outputs:
+            ids = list(c.token_ids)
+            lps = [c.logprobs[j][t].logprob for j, t in enumerate(ids)]
+            completions.append(Completion(
+                token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps, dtype=np.float32),
+                finish_reason=c.finish_reason or "length", text=c.text))
+        return completions
+
+    async def apply_weights(self, sync: WeightSync) -> dict[str, float]:
+        """Pause between engine steps (in-flight requests are kept), receive and load, resume."""
+        fields = {f.name: getattr(sync, f.name) for f in dataclasses.fields(sync)}
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            (result,) = await self.llm.collective_rpc("fleetrl_receive", args=(fields,), timeout=sync.timeout_s + 30)
+        finally:
+            await self.llm.resume_generation()
+        return result
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

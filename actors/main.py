@@ -1,0 +1,190 @@
+"""`fleetrl actor`: one process per inference engine, on a uvloop event loop.
+
+    receiver task:  RegisterAck | WorkGrant -> grant task | WeightSync -> sync task | Shutdown | Error
+    grant task:     wait until the engine serves grant.policy_version -> generate n completions
+                    -> score -> send RolloutGroup (each group as soon as it is done)
+    sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
+    heartbeat task: Heartbeat every hub.heartbeat_s; re-registers when the hub stops answering
+
+A sample's version_min is the version served when its generation started; the
+served version is bumped only after new weights are loaded, so a sample is never
+tagged newer than the weights that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+
+import numpy as np
+import uvloop
+import zmq
+import zmq.asyncio
+
+from actors.rewards import load_reward_fn
+from protocol import messages as m
+from protocol import transport
+from protocol.config import Config
+from protocol.logs import set_context, setup_logging
+
+
+class Actor:
+    def __init__(self, cfg: Config, learner: str, actor_id: str | None = None):
+        self.cfg = cfg
+        self.learner = learner
+        self.actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.reward_fn = load_reward_fn(cfg.rollout.reward_fn)
+        self.served_version = 0  # the weights in model.path are the learner's version 0
+        self.version_changed = asyncio.Condition()
+        self.sync_lock = asyncio.Lock()
+        self.held = 0
+        self.registered = asyncio.Event()
+        self.stop = asyncio.Event()
+        self.exit_code = 0
+        self.tasks: set[asyncio.Task] = set()
+        self.log = setup_logging("actor", cfg_log_file(cfg, self.actor_id), actor_id=self.actor_id, policy_version=0)
+
+    async def run(self) -> int:
+        from actors.engine import Engine
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        self.log.info("actor.engine_starting", model=self.cfg.model.path)
+        t0 = time.perf_counter()
+        self.engine = Engine(self.cfg)
+        self.log.info("actor.engine_ready", start_s=round(time.perf_counter() - t0, 1))
+        ctx = zmq.asyncio.Context()
+        self.sock = transport.actor_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes)
+        try:
+            self._spawn(self._receive())
+            self._spawn(self._heartbeat())
+            await self.stop.wait()
+        finally:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            self.sock.close(linger=0)
+            ctx.term()
+            self.engine.shutdown()
+            self.log.info("actor.stopped", exit_code=self.exit_code)
+        return self.exit_code
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.log.error("actor.task_failed", error=repr(exc), exc_info=exc)
+            self.exit_code = 1
+            self.stop.set()
+
+    async def _send(self, msg: m.Message) -> None:
+        await transport.send(self.sock, msg)
+
+    async def _register(self) -> None:
+        self.registered.clear()
+        await self._send(m.Register(actor_id=self.actor_id, host=socket.gethostname(), pid=os.getpid(), served_version=self.served_version))
+
+    async def _request_work(self) -> None:
+        room = self.cfg.actor.max_groups - self.held
+        if room > 0 and self.registered.is_set():
+            await self._send(m.WorkRequest(actor_id=self.actor_id, max_prompts=room))
+
+    async def _heartbeat(self) -> None:
+        backoff = 1.0
+        await self._register()
+        while True:
+            try:
+                await asyncio.wait_for(self.registered.wait(), timeout=backoff)
+            except TimeoutError:
+                self.log.warning("actor.waiting_for_learner", learner=self.learner, retry_s=backoff)
+                backoff = min(backoff * 2, 30.0)
+                await self._register()
+                continue
+            backoff = 1.0
+            await self._send(m.Heartbeat(actor_id=self.actor_id, served_version=self.served_version, groups_in_flight=self.held))
+            await self._request_work()
+            await asyncio.sleep(self.cfg.hub.heartbeat_s)
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                msg = transport.decode_frames(frames, self.cfg.hub.max_frame_bytes)
+            except m.ProtocolError as e:  # count, log, carry on: bad input never kills the actor
+                self.log.warning("actor.bad_message", error=str(e))
+                continue
+            if isinstance(msg, m.RegisterAck):
+                self.registered.set()
+                self.log.info("actor.registered", learner_version=msg.policy_version)
+                await self._request_work()
+            elif isinstance(msg, m.WorkGrant):
+                self.held += 1
+                self._spawn(self._run_grant(msg))
+            elif isinstance(msg, m.WeightSync):
+                self._spawn(self._apply_sync(msg))
+            elif isinstance(msg, m.Shutdown):
+                self.log.info("actor.shutdown_requested", reason=msg.reason)
+                self.stop.set()
+            elif isinstance(msg, m.Error):
+                self.log.warning("actor.hub_error", code=msg.code, detail=msg.detail)
+                if msg.code == "unknown_actor" and self.registered.is_set():
+                    await self._register()  # the learner restarted or dropped us: join again
+            else:
+                self.log.warning("actor.unexpected_message", type=type(msg).__name__)
+
+    async def _run_grant(self, grant: m.WorkGrant) -> None:
+        try:
+            async with self.version_changed:
+                await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
+            version_min = self.served_version
+            t0 = time.perf_counter()
+            completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt)
+            version_max = self.served_version
+            gen_s = time.perf_counter() - t0
+            rewards = np.asarray([self.reward_fn(c.text, grant.answer) for c in completions], dtype=np.float32)
+            lengths = np.asarray([len(c.token_ids) for c in completions], dtype=np.int32)
+            await self._send(m.RolloutGroup(
+                actor_id=self.actor_id, prompt_id=grant.prompt_id, epoch=grant.epoch, prompt_tokens=grant.prompt_tokens,
+                lengths=lengths, completion_tokens=np.concatenate([c.token_ids for c in completions]),
+                behaviour_logprobs=np.concatenate([c.logprobs for c in completions]), rewards=rewards,
+                finish_reasons=[c.finish_reason for c in completions], version_min=version_min, version_max=version_max,
+                gen_s=gen_s, reward_s=time.perf_counter() - t0 - gen_s))
+        finally:
+            self.held -= 1
+        await self._request_work()
+
+    async def _apply_sync(self, sync: m.WeightSync) -> None:
+        async with self.sync_lock:
+            t0 = time.perf_counter()
+            result = await self.engine.apply_weights(sync)
+            async with self.version_changed:
+                self.served_version = sync.policy_version
+                self.version_changed.notify_all()
+            set_context(policy_version=sync.policy_version)
+            load_s = time.perf_counter() - t0
+            self.log.debug("actor.weights_loaded", version=sync.policy_version, epoch=sync.group_epoch, load_s=round(load_s, 4), **result)
+            await self._send(m.WeightVersion(actor_id=self.actor_id, served_version=sync.policy_version, group_epoch=sync.group_epoch, load_s=load_s))
+        await self._request_work()
+
+
+def cfg_log_file(cfg: Config, actor_id: str):
+    from pathlib import Path
+
+    return Path(cfg.run.dir) / "logs" / f"actor-{actor_id}.jsonl"
+
+
+def run_actor(cfg: Config, learner: str, actor_id: str | None = None) -> int:
+    async def main() -> int:
+        return await Actor(cfg, learner, actor_id).run()
+
+    return uvloop.run(main())

@@ -1,0 +1,85 @@
+"""Mixed into vLLM's worker (`worker_extension_cls`): receives weights from the learner.
+
+Runs inside the engine's worker process, reached with `collective_rpc`.
+
+CPU pitfall this module exists to avoid: at load time the CPU build replaces each
+linear layer's weight by a prepacked copy (oneDNN or sgl-kernel GEMM) and empties
+the parameter. `load_weights` afterwards writes into the emptied parameter and the
+layers keep computing with the OLD packed weights, silently. So we (1) keep the
+plain parameter as the source of truth (`remove_weight=False`) and (2) rebuild
+each layer's packed copy after every load. The logprob-match test proves it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from protocol import weights as wg
+from protocol.net import local_addr_towards
+
+try:  # only the CPU build packs weights; on CUDA this patch is never reached.
+    from vllm.model_executor.layers import utils as _vllm_layer_utils
+
+    _pack_linear = _vllm_layer_utils.dispatch_cpu_unquantized_gemm
+
+    def _pack_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        _pack_linear(layer, remove_weight=False)
+
+    _vllm_layer_utils.dispatch_cpu_unquantized_gemm = _pack_keeping_weight
+except (ImportError, AttributeError):  # a vLLM without CPU GEMM dispatch: nothing to patch
+    _pack_linear = None
+
+
+class FleetWeightReceiver:
+    """Methods run in the vLLM worker; names carry a prefix so they cannot clash with the worker's."""
+
+    def fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, float]:
+        """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it."""
+        t0 = time.perf_counter()
+        group = self._fleetrl_group(sync)
+        t_join = time.perf_counter()
+        dtype = wg.DTYPES[sync["dtype"]]
+        names, shapes = sync["names"], sync["shapes"]
+        model = self.model_runner.get_model()
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        for bucket in wg.plan_buckets(shapes, itemsize, sync["bucket_bytes"]):
+            bucket_shapes = [shapes[i] for i in bucket]
+            flat = torch.empty(sum(torch.Size(s).numel() for s in bucket_shapes), dtype=dtype)
+            wg.broadcast(group, flat)
+            model.load_weights(zip([names[i] for i in bucket], wg.split_bucket(flat, bucket_shapes), strict=True))
+        repacked = self._fleetrl_repack(model)
+        return {"join_s": t_join - t0, "recv_load_s": time.perf_counter() - t_join, "repacked": float(repacked)}
+
+    def fleetrl_param_names(self) -> list[str]:
+        return [name for name, _ in self.model_runner.get_model().named_parameters()]
+
+    def _fleetrl_group(self, sync: dict[str, Any]):
+        epoch = sync["group_epoch"]
+        if getattr(self, "_fleetrl_epoch", None) != epoch:
+            key = (sync["store_host"], sync["store_port"])
+            if getattr(self, "_fleetrl_store_key", None) != key:
+                self._fleetrl_store = wg.open_store(key[0], key[1], is_master=False, timeout_s=sync["timeout_s"])
+                self._fleetrl_store_key = key
+            bind = local_addr_towards(sync["store_host"], sync["store_port"])
+            self._fleetrl_pg = wg.open_group(
+                self._fleetrl_store, bind, epoch, sync["rank"], sync["world_size"], sync["timeout_s"],
+                backend="nccl" if torch.cuda.is_available() else "gloo",
+            )
+            self._fleetrl_epoch = epoch
+        return self._fleetrl_pg
+
+    @staticmethod
+    def _fleetrl_repack(model: torch.nn.Module) -> int:
+        """Rebuild the CPU GEMM packed copy of every linear layer from its (kept) weight."""
+        if _pack_linear is None or not any(hasattr(m, "cpu_linear") for m in model.modules()):
+            return 0
+        count = 0
+        for module in model.modules():
+            if hasattr(module, "cpu_linear") and getattr(module, "weight", None) is not None:
+                assert module.weight.numel() > 0, f"{type(module).__name__}: weight was removed by packing"
+                _pack_linear(module, remove_weight=False)
+                count += 1
+        return count

@@ -1,0 +1,55 @@
+"""`fleetrl`: the command line. One process, one entry point; the launcher composes them.
+
+    fleetrl learner --config FILE [section.field=value ...]
+    fleetrl actor   --learner tcp://HOST:PORT --config FILE [--id NAME] [section.field=value ...]
+    fleetrl demo    [--config FILE] [section.field=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from protocol.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fleetrl", description="Asynchronous actor-learner RL post-training with bounded staleness")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_learner = sub.add_parser("learner", help="run the learner (rank 0 hosts the hub)")
+    p_learner.add_argument("--config", required=True)
+    p_actor = sub.add_parser("actor", help="run one actor (one inference engine)")
+    p_actor.add_argument("--learner", required=True, help="hub address, tcp://HOST:PORT")
+    p_actor.add_argument("--config", required=True)
+    p_actor.add_argument("--id", default=None, help="actor id (default: host-pid-random)")
+    p_demo = sub.add_parser("demo", help="learner + actors on this machine (the embedded default run)")
+    p_demo.add_argument("--config", default=None, help="TOML file (default: the built-in demo settings)")
+    for p in (p_learner, p_actor, p_demo):
+        p.add_argument("overrides", nargs="*", metavar="section.field=value")
+    args = parser.parse_args(argv)
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"fleetrl: config error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "learner":
+        from learner.main import run_learner
+
+        return run_learner(cfg)
+    if args.command == "actor":
+        if not args.learner.startswith("tcp://"):
+            print(f"fleetrl: --learner {args.learner!r}: expected tcp://HOST:PORT", file=sys.stderr)
+            return 2
+        from actors.main import run_actor
+
+        return run_actor(cfg, args.learner, args.id)
+    from deploy.launch import run_demo
+    from protocol.logs import setup_logging
+
+    setup_logging("launcher")
+    return run_demo(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Local launcher: one learner and N actors as separate processes on this machine (`fleetrl demo`).
+
+Each child runs in its own process group (an actor owns vLLM's engine-core and
+worker processes), so stopping a child stops everything it started. If any child
+fails, all are stopped and the launcher exits non-zero; Ctrl-C stops all cleanly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from protocol.config import Config, dump_toml
+from protocol.logs import get_logger
+
+GRACE_S = 20.0  # how long a child gets to exit after SIGTERM before SIGKILL
+
+
+def connect_address(bind: str) -> str:
+    """The address a local actor dials for a hub bound at `bind` (wildcards become loopback)."""
+    host_port = bind.removeprefix("tcp://")
+    host, _, port = host_port.rpartition(":")
+    if host in ("*", "0.0.0.0", ""):
+        host = "127.0.0.1"
+    return f"tcp://{host}:{port}"
+
+
+def demo_model(cfg: Config) -> Path:
+    """Build (once, cached) the tiny model with its warm start; returns its folder."""
+    from deploy.tiny import write_tiny_model
+    from learner.warmstart import warm_start
+
+    key = json.dumps({"v": 1, "seed": cfg.run.seed, "steps": cfg.demo.warmstart_steps})
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    root = Path(os.environ.get("FLEETRL_CACHE", Path.home() / ".cache" / "fleetrl"))
+    final = root / f"demo-model-{digest}"
+    if (final / "config.json").exists():
+        return final.absolute()
+    log = get_logger()
+    log.info("demo.building_model", path=str(final), warmstart_steps=cfg.demo.warmstart_steps)
+    tmp = root / f".building-{digest}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.perf_counter()
+    write_tiny_model(tmp, seed=cfg.run.seed)
+    info = warm_start(tmp, cfg.demo.warmstart_steps, cfg.run.seed)
+    try:
+        tmp.rename(final)
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("demo.model_ready", seconds=round(time.perf_counter() - t0, 1), **info)
+    return final.absolute()
+
+
+class Supervisor:
+    def __init__(self):
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.log = get_logger()
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.procs[name] = subprocess.Popen(argv, env={**os.environ, **(env or {})}, start_new_session=True)
+        self.log.info("launch.started", process=name, pid=self.procs[name].pid)
+
+    def stop_all(self, grace_s: float = GRACE_S) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs.values():
+            _signal_group(p, signal.SIGKILL)  # also reaps engine processes left in the group
+
+    def wait(self, main: str) -> int:
+        """Until `main` exits 0 (then the rest get GRACE_S to follow) or anything fails."""
+        while True:
+            for name, p in self.procs.items():
+                code = p.poll()
+                if code is None:
+                    continue
+                if code != 0:
+                    self.log.error("launch.process_failed", process=name, exit_code=code)
+                    self.stop_all()
+                    return 1
+                if name == main:
+                    self.stop_all()
+                    return 0
+            time.sleep(0.5)
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_demo(cfg: Config) -> int:
+    run_dir = Path(cfg.run.dir).absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.model.path:
+        cfg.model.path = str(demo_model(cfg))
+    cfg.run.dir = str(run_dir)
+    config_file = run_dir / "config.toml"
+    config_file.write_text(dump_toml(cfg))
+    cli = [sys.executable, "-m", "deploy.cli"]
+    sup = Supervisor()
+    try:
+        sup.start("learner", [*cli, "learner", "--config", str(config_file)])
+        for i in range(cfg.demo.num_actors):
+            sup.start(f"actor{i}", [*cli, "actor", "--learner", connect_address(cfg.hub.bind), "--config", str(config_file), "--id", f"actor{i}"],
+                      env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")})
+        code = sup.wait("learner")
+    except KeyboardInterrupt:
+        sup.log.warning("launch.interrupted")
+        sup.stop_all()
+        return 130
+    summarize(run_dir)
+    return code
+
+
+def summarize(run_dir: Path) -> None:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    n = max(1, len(rows) // 5)
+    first = sum(r["reward_mean"] for r in rows[:n]) / n
+    last = sum(r["reward_mean"] for r in rows[-n:]) / n
+    print(f"\nFleetRL demo: {len(rows)} steps in {rows[-1]['wall_s']:.0f} s of training; "
+          f"mean reward {first:.3f} (first {n} steps) -> {last:.3f} (last {n}); run directory {run_dir}", flush=True)

@@ -1,0 +1,85 @@
+"""Turn rollout groups into training tensors: advantages per sample, then padded micro-batches.
+
+A sample is prompt + completion; only completion tokens carry loss. The logit at
+position t predicts token t+1, so completion token j of a sample whose prompt has
+P tokens is scored by the logit at position P - 1 + j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.messages import RolloutGroup
+
+
+@dataclass(kw_only=True, slots=True)
+class Sample:
+    tokens: np.ndarray  # int32 [prompt_len + completion_len]
+    prompt_len: int
+    behaviour_logprobs: np.ndarray  # float32 [completion_len]
+    advantage: float
+    reward: float
+    version_min: int
+    version_max: int
+
+
+def group_samples(group: RolloutGroup, advantages: torch.Tensor) -> list[Sample]:
+    """Split a group's flat arrays into samples; `advantages` is [n] for this group."""
+    out, offset = [], 0
+    for i, length in enumerate(group.lengths.tolist()):
+        completion = group.completion_tokens[offset : offset + length]
+        out.append(Sample(
+            tokens=np.concatenate([group.prompt_tokens, completion]),
+            prompt_len=int(group.prompt_tokens.shape[0]),
+            behaviour_logprobs=group.behaviour_logprobs[offset : offset + length],
+            advantage=float(advantages[i]),
+            reward=float(group.rewards[i]),
+            version_min=group.version_min,
+            version_max=group.version_max,
+        ))
+        offset += length
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
+class MicroBatch:
+    input_ids: torch.Tensor  # int64 [B, L], right-padded with 0
+    attention_mask: torch.Tensor  # int64 [B, L]
+    score_rows: torch.Tensor  # int64 [T]: sample index of each completion token
+    score_cols: torch.Tensor  # int64 [T]: logit position that predicts it
+    targets: torch.Tensor  # int64 [T]: the completion token
+    behaviour_logp: torch.Tensor  # float32 [T]
+    token_adv: torch.Tensor  # float32 [T]
+    on_policy: torch.Tensor  # bool [T]: token's sample has staleness 0 (for logprob_mismatch)
+
+
+def make_micro_batch(samples: list[Sample], version: int) -> MicroBatch:
+    length = max(len(s.tokens) for s in samples)
+    ids = torch.zeros(len(samples), length, dtype=torch.long)
+    mask = torch.zeros(len(samples), length, dtype=torch.long)
+    rows, cols, targets, behaviour, adv, on_policy = [], [], [], [], [], []
+    for b, s in enumerate(samples):
+        n = len(s.tokens)
+        ids[b, :n] = torch.from_numpy(s.tokens.astype(np.int64))
+        mask[b, :n] = 1
+        c = n - s.prompt_len
+        rows.append(torch.full((c,), b))
+        cols.append(torch.arange(s.prompt_len - 1, n - 1))
+        targets.append(ids[b, s.prompt_len : n])
+        behaviour.append(torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32)))
+        adv.append(torch.full((c,), s.advantage))
+        on_policy.append(torch.full((c,), s.version_min == s.version_max == version))
+    return MicroBatch(
+        input_ids=ids, attention_mask=mask, score_rows=torch.cat(rows), score_cols=torch.cat(cols),
+        targets=torch.cat(targets), behaviour_logp=torch.cat(behaviour), token_adv=torch.cat(adv).float(),
+        on_policy=torch.cat(on_policy),
+    )
+
+
+def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Logprobs [T] of the completion tokens under softmax(logits / temperature): the sampled distribution."""
+    picked = logits[mb.score_rows, mb.score_cols].float() / temperature
+    return torch.log_softmax(picked, dim=-1).gather(1, mb.targets[:, None]).squeeze(1)

@@ -1,0 +1,376 @@
+"""The hub on learner rank 0: actor registry, ledger, dispatcher and batch buffer.
+
+    actors --Register/Heartbeat/WorkRequest/RolloutGroup/WeightVersion--> [ROUTER]
+                                                                           |
+                    hub thread (own uvloop loop; owns the socket)          v
+        registry ---- dispatcher (admission control) ---- ledger ---- buffer
+                                                                           |
+    training thread <-- take_batch() (blocks on `cond`) ------------------+
+                    --> begin_update() / finish_update() / send_weight_sync()
+
+Only the hub thread touches the socket. Both threads share the state below under
+`cond` (a Condition on one lock); the training thread never waits on the network
+while holding it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import uvloop
+import zmq
+import zmq.asyncio
+
+from learner import staleness as st
+from learner.data import PromptSet
+from learner.ledger import Key, Ledger
+from protocol import messages as m
+from protocol import transport
+from protocol.config import Config
+from protocol.logs import get_logger
+
+
+@dataclass(slots=True)
+class ActorState:
+    identity: bytes  # ZeroMQ routing id of the actor's DEALER
+    last_seen: float
+    served_version: int
+    demand: int = 0  # prompts it asked for and has not been granted yet
+    held: set[Key] = field(default_factory=set)
+    groups: int = 0  # groups accepted from it
+    joined_at: float = 0.0
+
+
+@dataclass(slots=True)
+class Accepted:
+    """A rollout group in the buffer, with the ledger key it settles."""
+
+    key: Key
+    group: m.RolloutGroup
+    arrived: float
+
+
+class Hub:
+    def __init__(self, cfg: Config, prompts: PromptSet):
+        self.cfg = cfg
+        self.prompts = prompts
+        self.log = get_logger()
+        self.cond = threading.Condition()
+        self.ledger = Ledger(len(prompts), cfg.data.epochs, cfg.run.seed)
+        self.actors: dict[str, ActorState] = {}
+        self.buffer: deque[Accepted] = deque()
+        self.version = 0
+        self.training = False
+        self.max_staleness = cfg.staleness.max_staleness
+        self.counters: Counter[str] = Counter()
+        self.stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fleetrl-hub", daemon=True)
+        self._start_error: BaseException | None = None
+
+    # ---- training-thread API -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise self._start_error
+
+    def stop(self, reason: str = "run finished") -> None:
+        """Tell every actor to shut down, then stop the hub thread."""
+        if self._loop is None or not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown_actors(reason), self._loop).result(timeout=10)
+        except TimeoutError:
+            self.log.warning("hub.shutdown_timeout")
+        self.stopping = True
+        self._thread.join(timeout=10)
+
+    def take_batch(self, n: int, timeout_s: float | None = None) -> list[Accepted]:
+        """Block until `n` admissible groups are buffered; drop (and requeue) any too stale on the way."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        batch: list[Accepted] = []
+        with self.cond:
+            while len(batch) < n:
+                while self.buffer and len(batch) < n:
+                    item = self.buffer.popleft()
+                    if st.admissible(self.version, item.group.version_min, self.max_staleness):
+                        batch.append(item)
+                    else:
+                        self._drop_stale(item)
+                if len(batch) < n:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        self.buffer.extendleft(reversed(batch))
+                        raise TimeoutError(f"only {len(batch)} of {n} groups arrived in {timeout_s} s")
+                    self.cond.wait(timeout=remaining)
+            self.training = True
+        return batch
+
+    def finish_update(self, version: int, trained: list[Key]) -> None:
+        """The update that consumed `trained` produced `version`; grants may resume."""
+        with self.cond:
+            for key in trained:
+                self.ledger.trained(key)
+            self.version = version
+            self.training = False
+        self._kick()
+
+    def abort_update(self, batch: list[Accepted]) -> None:
+        """A failed update returns its prompts to the queue (never silently lost)."""
+        with self.cond:
+            for item in batch:
+                self.ledger.requeue(item.key, "aborted")
+            self.training = False
+        self._kick()
+
+    def set_max_staleness(self, k: int) -> None:
+        assert k >= 0
+        with self.cond:
+            old, self.max_staleness = self.max_staleness, k
+        self.log.info("hub.max_staleness_changed", old=old, new=k)
+        self._kick()
+
+    def live_actors(self) -> list[str]:
+        with self.cond:
+            return sorted(self.actors)
+
+    def send_weight_sync(self, members: list[str], make: callable) -> None:
+        """Send `make(actor_id, rank)` (a WeightSync) to each member, rank = position + 1."""
+        assert self._loop is not None
+
+        async def send_all() -> None:
+            for rank, actor_id in enumerate(members, start=1):
+                state = self.actors.get(actor_id)
+                if state is not None:
+                    await self._send(state.identity, make(actor_id, rank))
+
+        asyncio.run_coroutine_threadsafe(send_all(), self._loop).result(timeout=30)
+
+    def snapshot(self) -> dict[str, float]:
+        """Counters for the metrics line."""
+        with self.cond:
+            out = {f"hub/{k}": float(v) for k, v in self.counters.items()}
+            out.update({f"ledger/{k}": float(v) for k, v in self.ledger.counts.items()})
+            out.update({f"ledger/{k}": float(v) for k, v in self.ledger.state_counts().items()})
+            out["hub/actors"] = float(len(self.actors))
+            out["hub/buffered"] = float(len(self.buffer))
+            out["staleness/max_staleness"] = float(self.max_staleness)
+        return out
+
+    # ---- hub thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        finally:
+            loop.close()
+
+    def _kick(self) -> None:
+        if self._loop is not None and not self.stopping:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._pump()))
+
+    async def _serve(self) -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            self._sock = transport.hub_socket(ctx, self.cfg.hub.bind, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes)
+        except zmq.ZMQError as e:
+            self._start_error = RuntimeError(f"hub.bind {self.cfg.hub.bind}: {e}")
+            self._ready.set()
+            ctx.term()
+            return
+        self.log.info("hub.listening", bind=self.cfg.hub.bind)
+        self._ready.set()
+        housekeeping = asyncio.ensure_future(self._housekeeping())
+        try:
+            while not self.stopping:
+                if not await self._sock.poll(200):
+                    continue
+                frames = await self._sock.recv_multipart(copy=False)
+                await self._on_frames(frames)
+        finally:
+            housekeeping.cancel()
+            self._sock.close(linger=0)
+            ctx.term()
+
+    async def _on_frames(self, frames: list) -> None:
+        identity, body = frames[0].bytes, frames[1:]
+        try:
+            msg = transport.decode_frames(body, self.cfg.hub.max_frame_bytes)
+        except m.ProtocolError as e:
+            self.counters["protocol_errors"] += 1
+            self.log.warning("hub.bad_message", error=str(e))
+            await self._send(identity, m.Error(code="protocol", detail=str(e)))
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.counters["protocol_errors"] += 1
+            await self._send(identity, m.Error(code="protocol", detail=f"{type(msg).__name__} is not for the hub"))
+            return
+        await handler(self, identity, msg)
+
+    async def _send(self, identity: bytes, msg: m.Message) -> bool:
+        try:
+            await asyncio.wait_for(transport.send(self._sock, msg, identity), timeout=10)
+            return True
+        except (zmq.ZMQError, TimeoutError) as e:  # EHOSTUNREACH: the peer is gone
+            self.counters["send_failures"] += 1
+            self.log.warning("hub.send_failed", msg=type(msg).__name__, error=str(e))
+            return False
+
+    def _known(self, actor_id: str, identity: bytes) -> ActorState | None:
+        state = self.actors.get(actor_id)
+        if state is None or state.identity != identity:
+            return None
+        state.last_seen = time.monotonic()
+        return state
+
+    async def _on_register(self, identity: bytes, msg: m.Register) -> None:
+        with self.cond:
+            old = self.actors.get(msg.actor_id)
+            if old is not None:
+                self._release(msg.actor_id, "re-registered")
+            now = time.monotonic()
+            self.actors[msg.actor_id] = ActorState(identity, now, msg.served_version, joined_at=now)
+            version = self.version
+        self.log.info("hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version)
+        await self._send(identity, m.RegisterAck(actor_id=msg.actor_id, policy_version=version, heartbeat_s=self.cfg.hub.heartbeat_s))
+
+    async def _unknown(self, identity: bytes, actor_id: str) -> None:
+        self.counters["unknown_actor"] += 1
+        await self._send(identity, m.Error(code="unknown_actor", detail=f"actor {actor_id!r} is not registered; register again"))
+
+    async def _on_heartbeat(self, identity: bytes, msg: m.Heartbeat) -> None:
+        with self.cond:
+            state = self._known(msg.actor_id, identity)
+            if state is not None:
+                state.served_version = msg.served_version
+        if state is None:
+            await self._unknown(identity, msg.actor_id)
+
+    async def _on_work_request(self, identity: bytes, msg: m.WorkRequest) -> None:
+        with self.cond:
+            state = self._known(msg.actor_id, identity)
+            if state is not None:
+                state.demand = max(0, msg.max_prompts)
+        if state is None:
+            await self._unknown(identity, msg.actor_id)
+            return
+        await self._pump()
+
+    async def _on_weight_version(self, identity: bytes, msg: m.WeightVersion) -> None:
+        with self.cond:
+            state = self._known(msg.actor_id, identity)
+            if state is not None:
+                state.served_version = msg.served_version
+        if state is None:
+            await self._unknown(identity, msg.actor_id)
+            return
+        self.log.info("hub.actor_synced", actor=msg.actor_id, served=msg.served_version, load_s=round(msg.load_s, 4))
+        await self._pump()
+
+    async def _on_rollout(self, identity: bytes, msg: m.RolloutGroup) -> None:
+        key = (msg.epoch, msg.prompt_id)
+        with self.cond:
+            state = self._known(msg.actor_id, identity)
+            if state is None:
+                accepted = None
+            elif msg.lengths.shape[0] != self.cfg.rollout.samples_per_prompt:
+                accepted = False
+                self.counters["bad_group_size"] += 1
+            else:
+                state.held.discard(key)
+                accepted = self.ledger.receive(key)
+                if accepted:
+                    state.groups += 1
+                    item = Accepted(key, msg, time.monotonic())
+                    if st.admissible(self.version, msg.version_min, self.max_staleness):
+                        self.buffer.append(item)
+                        self.cond.notify_all()
+                    else:  # already too stale on arrival: versions only grow, it can never be used
+                        self._drop_stale(item)
+        if accepted is None:
+            await self._unknown(identity, msg.actor_id)
+        elif accepted is False and msg.lengths.shape[0] != self.cfg.rollout.samples_per_prompt:
+            await self._send(identity, m.Error(code="rejected", detail=f"group has {msg.lengths.shape[0]} samples, expected {self.cfg.rollout.samples_per_prompt}"))
+        await self._pump()
+
+    _handlers = {
+        m.Register: _on_register,
+        m.Heartbeat: _on_heartbeat,
+        m.WorkRequest: _on_work_request,
+        m.RolloutGroup: _on_rollout,
+        m.WeightVersion: _on_weight_version,
+    }
+
+    def _drop_stale(self, item: Accepted) -> None:
+        """Caller holds the lock. The sample may never be trained on; its prompt goes back to the queue."""
+        self.counters["dropped_stale"] += 1
+        self.ledger.requeue(item.key, "stale")
+
+    def _outstanding(self) -> int:
+        return sum(len(a.held) for a in self.actors.values()) + len(self.buffer)
+
+    async def _pump(self) -> None:
+        """Grant prompts to actors with demand, as far as admission control allows."""
+        sends: list[tuple[bytes, m.WorkGrant]] = []
+        with self.cond:
+            capacity = st.admission_capacity(self.version, self.training, self.max_staleness, self.cfg.train.prompts_per_step, self._outstanding())
+            min_version = st.min_grant_version(self.version, self.training, self.max_staleness)
+            deadline = time.monotonic() + self.cfg.staleness.lease_s
+            # Fairness: least-loaded actors first.
+            for actor_id, state in sorted(self.actors.items(), key=lambda kv: len(kv[1].held)):
+                if state.served_version < min_version:
+                    continue  # it would generate samples already too stale (or it awaits its first sync)
+                while state.demand > 0 and capacity > 0:
+                    key = self.ledger.next_pending()
+                    if key is None:
+                        break
+                    self.ledger.grant(key, actor_id, deadline)
+                    state.held.add(key)
+                    state.demand -= 1
+                    capacity -= 1
+                    prompt = self.prompts[key[1]]
+                    sends.append((state.identity, m.WorkGrant(
+                        prompt_id=key[1], epoch=key[0], prompt_tokens=prompt.tokens, answer=prompt.answer,
+                        policy_version=min_version, lease_s=self.cfg.staleness.lease_s)))
+            self.counters["granted"] += len(sends)
+        for identity, grant in sends:
+            await self._send(identity, grant)
+
+    def _release(self, actor_id: str, why: str) -> None:
+        """Caller holds the lock: forget an actor and requeue what it held."""
+        state = self.actors.pop(actor_id)
+        for key in list(state.held):
+            if self.ledger.entries[key].actor == actor_id:
+                self.ledger.requeue(key, "dead")
+        self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(state.held))
+
+    async def _housekeeping(self) -> None:
+        """Expire leases and declare silent actors dead, once a second."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            with self.cond:
+                for actor_id in [a for a, s in self.actors.items() if now - s.last_seen > self.cfg.hub.actor_timeout_s]:
+                    self._release(actor_id, "heartbeat timeout")
+                    self.counters["actors_lost"] += 1
+                expired = self.ledger.expire(now)
+                for key in expired:
+                    for state in self.actors.values():
+                        state.held.discard(key)
+            if expired:
+                self.log.warning("hub.leases_expired", count=len(expired))
+            await self._pump()
+
+    async def _shutdown_actors(self, reason: str) -> None:
+        for state in list(self.actors.values()):
+            await self._send(state.identity, m.Shutdown(reason=reason))

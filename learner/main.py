@@ -1,0 +1,92 @@
+"""`fleetrl learner`: the learner process (rank 0 also runs the hub).
+
+    loop:  take a batch of admissible groups (blocks)  ->  update (DeepSpeed)  ->  version += 1
+           ->  ledger: trained; grants resume  ->  broadcast weights to the actors  ->  metrics
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from learner.data import load_prompts
+from learner.hub import Hub
+from learner.metrics import MetricsWriter
+from learner.weight_sync import WeightSender
+from protocol.config import Config, dump_toml
+from protocol.logs import set_context, setup_logging
+
+
+def run_learner(cfg: Config) -> int:
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_toml(cfg))
+    log = setup_logging("learner", run_dir / "logs" / "learner.jsonl", policy_version=0)
+    if not cfg.model.path:
+        raise ValueError("model.path: empty; point it at a Hugging Face model folder (`fleetrl demo` builds one)")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.run.seed)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from learner.trainer import Trainer, init_distributed
+
+    init_distributed()
+    if torch.distributed.get_world_size() != 1:
+        raise ValueError("the learner runs as one process for now; multi-rank data/sequence parallelism is issue #3")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    prompts = load_prompts(cfg.data, tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+    trainer = Trainer(cfg, model)
+    hub = Hub(cfg, prompts)
+    hub.start()
+    sender = WeightSender(cfg.weights, trainer.named_parameters(), cfg.model.dtype)
+    metrics = MetricsWriter(run_dir)
+    log.info("learner.ready", prompts=len(prompts), params=sum(p.numel() for p in model.parameters()), hub=cfg.hub.bind, weight_port=sender.port)
+
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    t_start = time.perf_counter()
+    version = 0
+    try:
+        while version < cfg.train.total_steps and not stop["flag"]:
+            t0 = time.perf_counter()
+            batch = hub.take_batch(cfg.train.prompts_per_step)
+            t_wait = time.perf_counter() - t0
+            k = hub.max_staleness
+            try:
+                stats = trainer.update(batch, version, k)
+            except Exception:
+                hub.abort_update(batch)
+                raise
+            t_train = time.perf_counter() - t0 - t_wait
+            version += 1
+            set_context(policy_version=version)
+            hub.finish_update(version, [item.key for item in batch])
+            sync = sender.sync(version, hub)
+            step_s = time.perf_counter() - t0
+            row = {
+                "step": version, "policy_version": version, "reward_mean": stats.reward_mean, "samples": stats.samples,
+                "staleness_max": stats.staleness_max, "staleness_mean": stats.staleness_mean,
+                "logprob_mismatch": stats.logprob_mismatch, "on_policy_tokens": stats.on_policy_tokens,
+                "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
+                "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
+                "grad_norm": stats.grad_norm, "adv_abs_mean": stats.adv_abs_mean, "max_staleness": k,
+                "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(),
+            }
+            metrics.write(row)
+            log.info("learner.step", step=version, reward=round(stats.reward_mean, 3), staleness_max=stats.staleness_max,
+                     mismatch=None if stats.on_policy_tokens == 0 else float(f"{stats.logprob_mismatch:.2e}"),
+                     wait_s=round(t_wait, 2), train_s=round(t_train, 2), sync_s=round(sync["time/weight_sync"], 3))
+    finally:
+        hub.stop("run finished" if version >= cfg.train.total_steps else "learner stopping")
+        metrics.close()
+        plot = metrics.plot()
+        hub.ledger.check()
+        log.info("learner.done", steps=version, wall_s=round(time.perf_counter() - t_start, 1), plot=str(plot), ledger=hub.ledger.state_counts())
+    return 0

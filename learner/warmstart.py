@@ -1,0 +1,52 @@
+"""Warm start for the embedded demo: a short supervised run that gives the tiny model a starting policy.
+
+A randomly initialised model never samples a correct sum, and RL from zero reward
+learns nothing. So the demo first trains the model on correct answers for only a
+few full-batch steps (30 by default): it learns the format ("digits, then <eos>")
+and part of the table, and samples the right sum roughly a quarter of the time at
+temperature 1 (measured: 35 steps -> 0.31, 50 -> 0.42, 300 -> 0.998). The rest of
+the rise in the demo is RL's doing.
+
+(Fitting noisy labels instead, 30-60% correct, was tried and does not work: after
+1,000 steps the model still samples the right sum under 10% of the time.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from learner.data import addition_items
+
+
+def warm_start(model_dir: Path, steps: int, seed: int, lr: float = 3e-3) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    items = addition_items()
+    eos = tokenizer.eos_token_id
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        rows, masks = [], []
+        for prompt, answer in items:
+            p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            t = tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+            rows.append(p + t)
+            masks.append([0] * len(p) + [1] * len(t))
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        loss_mask = torch.tensor([mk + [0] * (width - len(mk)) for mk in masks], dtype=torch.float32)
+        attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+        loss = (nll * loss_mask[:, 1:].reshape(-1)).sum() / loss_mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(model_dir)
+    return {"final_loss": float(loss)}

@@ -1,0 +1,122 @@
+"""Wire encoding: one MessagePack header frame, then one raw frame per array.
+
+    frame 0: msgpack {"v": PROTOCOL_VERSION, "t": type name, "f": {scalar fields},
+                      "a": [[array field, dtype, shape], ...]}
+    frame 1..n: the arrays' bytes (C order, little endian), in the order of "a"
+
+No pickle anywhere. `decode` trusts nothing: every way input can be wrong raises
+ProtocolError with a message that names the problem, and nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, ProtocolError
+
+Buffer = bytes | bytearray | memoryview
+
+
+@cache
+def _scalar_fields(cls: type[Message]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in cls.ARRAYS}
+
+
+def encode(msg: Message) -> list[Buffer]:
+    """Message -> frames for `socket.send_multipart(frames, copy=False)`."""
+    cls = type(msg)
+    scalars = {name: getattr(msg, name) for name in _scalar_fields(cls)}
+    specs, frames = [], []
+    for name, (dtype, ndim) in cls.ARRAYS.items():
+        arr = getattr(msg, name)
+        assert isinstance(arr, np.ndarray) and arr.dtype == np.dtype(dtype) and arr.ndim == ndim, (
+            f"{cls.__name__}.{name}: expected {dtype} ndim {ndim}, got {getattr(arr, 'dtype', type(arr))}"
+        )
+        arr = np.ascontiguousarray(arr)
+        specs.append([name, dtype, list(arr.shape)])
+        frames.append(memoryview(arr).cast("B"))
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "t": cls.__name__, "f": scalars, "a": specs}, use_bin_type=True)
+    return [header, *frames]
+
+
+def _type_ok(hint: Any, value: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(inner, v) for v in value)
+    if hint is float:
+        return isinstance(value, float | int) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _nbytes(frame: Any) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+def decode(frames: Sequence[Any], max_frame_bytes: int = 64 << 20) -> Message:
+    """frames (bytes, memoryviews or zmq.Frame) -> a validated Message, or ProtocolError."""
+    if not frames:
+        raise ProtocolError("empty message: no frames")
+    bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+    for i, buf in enumerate(bufs):
+        if _nbytes(buf) > max_frame_bytes:
+            raise ProtocolError(f"frame {i}: {_nbytes(buf)} bytes exceeds the limit of {max_frame_bytes}")
+    try:
+        header = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"header: not valid MessagePack ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header: expected a map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"header.v: protocol version {version!r}, this side speaks {PROTOCOL_VERSION}")
+    name = header.get("t")
+    cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ProtocolError(f"header.t: unknown message type {name!r}")
+    fields, specs = header.get("f"), header.get("a")
+    if not isinstance(fields, dict) or not isinstance(specs, list):
+        raise ProtocolError(f"{name}: header needs a field map 'f' and an array list 'a'")
+
+    kwargs: dict[str, Any] = {}
+    expected = _scalar_fields(cls)
+    for key in fields.keys() - expected.keys():
+        raise ProtocolError(f"{name}.{key}: unknown field")
+    for key, hint in expected.items():
+        if key not in fields:
+            raise ProtocolError(f"{name}.{key}: missing field")
+        if not _type_ok(hint, fields[key]):
+            raise ProtocolError(f"{name}.{key}: expected {hint}, got {type(fields[key]).__name__}")
+        kwargs[key] = float(fields[key]) if hint is float else fields[key]
+
+    if len(specs) != len(cls.ARRAYS) or len(bufs) != 1 + len(cls.ARRAYS):
+        raise ProtocolError(f"{name}: expected {len(cls.ARRAYS)} array frames, header lists {len(specs)}, got {len(bufs) - 1}")
+    for spec, buf in zip(specs, bufs[1:], strict=True):
+        if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)):
+            raise ProtocolError(f"{name}: malformed array spec {spec!r}")
+        key, dtype, shape = spec
+        if key not in cls.ARRAYS or key in kwargs:
+            raise ProtocolError(f"{name}.{key}: unexpected or repeated array")
+        want_dtype, want_ndim = cls.ARRAYS[key]
+        if dtype != want_dtype:
+            raise ProtocolError(f"{name}.{key}: dtype {dtype!r}, expected {want_dtype}")
+        if not (isinstance(shape, list) and len(shape) == want_ndim and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise ProtocolError(f"{name}.{key}: shape {shape!r}, expected {want_ndim} non-negative dims")
+        count = int(np.prod(shape, dtype=np.int64))
+        itemsize = np.dtype(dtype).itemsize
+        if count * itemsize != _nbytes(buf):
+            raise ProtocolError(f"{name}.{key}: shape {shape} needs {count * itemsize} bytes, frame has {_nbytes(buf)}")
+        kwargs[key] = np.frombuffer(buf, dtype=np.dtype(dtype).newbyteorder("<"), count=count).reshape(shape)
+    msg = cls(**kwargs)
+    msg.check()
+    return msg

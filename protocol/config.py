@@ -1,0 +1,228 @@
+"""One typed config for a run: TOML file plus `section.field=value` overrides.
+
+The same file serves the learner and the actors. Every field has a one-line doc
+(the comment beside it); `load_config` fails at start with the field's dotted name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config; the message names the field."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    dir: str = "runs/demo"  # run directory: resolved config, logs, metrics.jsonl, checkpoints, plots
+    seed: int = 0  # seeds the prompt order, sampling and the learner's init
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = ""  # Hugging Face model folder (local); the demo builds one when empty
+    dtype: str = "float32"  # float32 | bfloat16; the same on learner and engines so logprobs compare
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    task: str = "addition"  # built-in prompt set ("addition"), or "jsonl" with `path`
+    path: str = ""  # JSONL file with {"prompt": str, "answer": str} lines when task = "jsonl"
+    epochs: int = 1000  # passes over the prompt set (the run stops at train.total_steps first)
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    samples_per_prompt: int = 8  # completions per prompt (the GRPO group size)
+    max_tokens: int = 4  # generation length limit per completion
+    temperature: float = 1.0  # sampling temperature; behaviour logprobs are taken after it
+    reward_fn: str = "actors.rewards:exact_match"  # import path `package.module:function`
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    prompts_per_step: int = 16  # prompts (groups) consumed by one optimizer step
+    total_steps: int = 40  # optimizer steps in the run
+    lr: float = 2e-3  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip
+    clip_eps: float = 0.2  # PPO ratio clip: ratio kept within [1 - eps, 1 + eps]
+    tis_cap: float = 2.0  # truncated importance weight cap for stale samples (0 disables)
+    advantage: str = "grpo"  # advantage estimator: grpo (group mean/std) | dr_grpo (group mean only)
+    zero_stage: int = 2  # DeepSpeed ZeRO stage (0, 1, 2 or 3)
+    micro_batch_samples: int = 64  # samples per forward/backward (gradient accumulation beyond)
+    threads: int = 1  # torch intra-op threads in the learner process
+
+
+@dataclass(kw_only=True, slots=True)
+class StalenessConfig:
+    max_staleness: int = 1  # k: a sample of version v trains the update u -> u+1 only if u - v <= k
+    lease_s: float = 120.0  # a granted prompt returns to the queue when its actor holds it this long
+
+
+@dataclass(kw_only=True, slots=True)
+class HubConfig:
+    bind: str = "tcp://127.0.0.1:5555"  # learner hub address; actors connect here
+    hwm: int = 256  # ZeroMQ high-water mark (messages) per socket direction: bounds memory
+    max_frame_bytes: int = 64 << 20  # frames larger than this are rejected before decoding
+    heartbeat_s: float = 2.0  # actor heartbeat period
+    actor_timeout_s: float = 30.0  # an actor silent this long is declared dead
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightsConfig:
+    host: str = "127.0.0.1"  # address the weight-group rendezvous (TCPStore) binds to
+    port: int = 0  # rendezvous port; 0 picks a free one
+    bucket_mb: int = 32  # flat bucket size for the broadcast
+    timeout_s: float = 120.0  # a broadcast blocked this long (dead member) fails
+
+
+@dataclass(kw_only=True, slots=True)
+class ActorConfig:
+    kvcache_gib: int = 1  # vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    max_model_len: int = 64  # engine context length
+    max_num_seqs: int = 256  # engine's concurrent sequences (continuous batching width)
+    threads: int = 1  # CPU threads for the engine's worker (OMP_NUM_THREADS)
+    cpu_bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND: "nobind", "auto", or CPU ids such as "0-1"
+    max_groups: int = 8  # prompts an actor holds at once (asks for more below this)
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    num_actors: int = 2  # actor processes started by `fleetrl demo`
+    warmstart_steps: int = 30  # full-batch supervised steps that give the tiny model its starting policy
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(name: str, typ: type, value: Any) -> Any:
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool or isinstance(value, bool):
+        if typ is not bool or not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected {typ.__name__}, got {value!r}")
+        return value
+    if not isinstance(value, typ):
+        raise ConfigError(f"{name}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}: expected a table, got {data!r}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown field (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for key, value in data.items():
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            kwargs[key] = _build(typ, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(prefix + key, typ, value)
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected section.field=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare strings need no quotes on the command line
+    return key.strip().split("."), value
+
+
+def _check(cfg: Config) -> None:
+    def need(ok: bool, name: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"{name}: {why}")
+
+    need(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16")
+    need(cfg.data.task in ("addition", "jsonl"), "data.task", "must be 'addition' or 'jsonl'")
+    need(cfg.data.task != "jsonl" or bool(cfg.data.path), "data.path", "required when data.task = 'jsonl'")
+    need(cfg.data.epochs >= 1, "data.epochs", "must be >= 1")
+    need(cfg.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt", "GRPO needs >= 2 per group")
+    need(cfg.rollout.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
+    need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
+    need(":" in cfg.rollout.reward_fn, "rollout.reward_fn", "must look like package.module:function")
+    need(cfg.train.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+    need(cfg.train.total_steps >= 1, "train.total_steps", "must be >= 1")
+    need(cfg.train.lr > 0, "train.lr", "must be > 0")
+    need(0 < cfg.train.clip_eps < 1, "train.clip_eps", "must be in (0, 1)")
+    need(cfg.train.tis_cap >= 0, "train.tis_cap", "must be >= 0 (0 disables)")
+    need(cfg.train.advantage in ("grpo", "dr_grpo"), "train.advantage", "must be grpo or dr_grpo")
+    need(cfg.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3")
+    need(cfg.train.micro_batch_samples >= 1, "train.micro_batch_samples", "must be >= 1")
+    need(cfg.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0")
+    need(cfg.staleness.lease_s > 0, "staleness.lease_s", "must be > 0")
+    need(cfg.hub.bind.startswith("tcp://"), "hub.bind", "must be tcp://HOST:PORT")
+    need(cfg.hub.hwm >= 1, "hub.hwm", "must be >= 1")
+    need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
+    need(cfg.actor.max_model_len > cfg.rollout.max_tokens, "actor.max_model_len", "must exceed rollout.max_tokens")
+    need(cfg.actor.max_groups >= 1, "actor.max_groups", "must be >= 1")
+    need(cfg.demo.num_actors >= 1, "demo.num_actors", "must be >= 1")
+    need(cfg.demo.warmstart_steps >= 0, "demo.warmstart_steps", "must be >= 0")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or the defaults), apply overrides, validate. Raises ConfigError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {path}: not found") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from e
+    for item in overrides or []:
+        keys, value = _parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {k} is not a table")
+        node[keys[-1]] = value
+    cfg = _build(Config, data, "")
+    _check(cfg)
+    return cfg
+
+
+def dump_toml(cfg: Config) -> str:
+    """The resolved config as TOML (written to the run directory)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)

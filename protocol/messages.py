@@ -1,0 +1,186 @@
+"""Every message that crosses a process boundary, typed.
+
+Arrays (token ids, logprobs, rewards) travel as raw frames beside a MessagePack
+header and arrive as numpy arrays: they are never turned into Python lists.
+Ragged per-completion data is one flat array plus a `lengths` array.
+Each message type lists its array fields in `ARRAYS` as {name: (dtype, ndim)}.
+
+Versions: `policy_version` is the learner's optimizer-step count; a sample's
+version is the version of the weights that produced its oldest token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """Input that is not a valid message; the text says what was wrong."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Message:
+    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {}
+
+    def check(self) -> None:
+        """Cross-field consistency; raises ProtocolError. Field types are checked by the codec."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Register(Message):
+    """actor -> hub: a new actor announces itself."""
+
+    actor_id: str  # unique per actor process (host-pid-random)
+    host: str  # hostname, for the operator
+    pid: int
+    served_version: int  # policy version the engine holds now (-1: initial weights from disk)
+
+
+@dataclass(kw_only=True, slots=True)
+class RegisterAck(Message):
+    """hub -> actor: registration accepted."""
+
+    actor_id: str
+    policy_version: int  # learner's current version
+    heartbeat_s: float  # how often to send Heartbeat
+
+
+@dataclass(kw_only=True, slots=True)
+class Heartbeat(Message):
+    """actor -> hub: still alive. Silence past hub.actor_timeout_s marks the actor dead."""
+
+    actor_id: str
+    served_version: int
+    groups_in_flight: int  # prompts the actor is generating now
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkRequest(Message):
+    """actor -> hub: room for `max_prompts` more prompts."""
+
+    actor_id: str
+    max_prompts: int
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkGrant(Message):
+    """hub -> actor: generate a group for one prompt, at `policy_version` or newer."""
+
+    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {"prompt_tokens": ("int32", 1)}
+    prompt_id: int  # index into the prompt set
+    epoch: int  # pass over the prompt set
+    prompt_tokens: np.ndarray  # int32 [prompt_len]
+    answer: str  # reference answer for the reward function
+    policy_version: int  # the actor must serve at least this version before generating
+    lease_s: float  # the hub takes the prompt back after this many seconds
+
+    def check(self) -> None:
+        if self.prompt_tokens.shape[0] == 0:
+            raise ProtocolError("WorkGrant.prompt_tokens: empty prompt")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutGroup(Message):
+    """actor -> hub: all completions of one prompt, scored."""
+
+    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {
+        "prompt_tokens": ("int32", 1),
+        "lengths": ("int32", 1),
+        "completion_tokens": ("int32", 1),
+        "behaviour_logprobs": ("float32", 1),
+        "rewards": ("float32", 1),
+    }
+    actor_id: str
+    prompt_id: int
+    epoch: int
+    prompt_tokens: np.ndarray  # int32 [prompt_len]
+    lengths: np.ndarray  # int32 [n]: tokens in each completion
+    completion_tokens: np.ndarray  # int32 [sum(lengths)]: completions, concatenated
+    behaviour_logprobs: np.ndarray  # float32 [sum(lengths)], nats, of the distribution sampled (after temperature)
+    rewards: np.ndarray  # float32 [n]
+    finish_reasons: list[str]  # per completion: "stop" | "length"
+    version_min: int  # version of the oldest token's weights (the sample's version)
+    version_max: int  # version of the newest token's weights (> min if weights changed mid-sequence)
+    gen_s: float  # seconds from grant start to the group's last token
+    reward_s: float  # seconds spent scoring
+
+    def check(self) -> None:
+        n = self.lengths.shape[0]
+        if n == 0:
+            raise ProtocolError("RolloutGroup.lengths: no completions")
+        if (self.lengths < 0).any():
+            raise ProtocolError("RolloutGroup.lengths: negative length")
+        total = int(self.lengths.sum())
+        if self.completion_tokens.shape[0] != total:
+            raise ProtocolError(f"RolloutGroup.completion_tokens: {self.completion_tokens.shape[0]} tokens, lengths sum to {total}")
+        if self.behaviour_logprobs.shape[0] != total:
+            raise ProtocolError(f"RolloutGroup.behaviour_logprobs: {self.behaviour_logprobs.shape[0]} values, lengths sum to {total}")
+        if self.rewards.shape[0] != n or len(self.finish_reasons) != n:
+            raise ProtocolError(f"RolloutGroup: {n} completions but {self.rewards.shape[0]} rewards, {len(self.finish_reasons)} finish reasons")
+        if self.version_max < self.version_min:
+            raise ProtocolError("RolloutGroup: version_max < version_min")
+        if not np.isfinite(self.rewards).all() or not np.isfinite(self.behaviour_logprobs).all():
+            raise ProtocolError("RolloutGroup: non-finite reward or logprob")
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightSync(Message):
+    """hub -> actor: join weight-group `group_epoch` and receive version `policy_version`.
+
+    The learner broadcasts the parameters named in `names`, in that order, packed
+    into flat buckets of at most `bucket_bytes` (see protocol.weights).
+    """
+
+    policy_version: int
+    group_epoch: int  # membership number; a new epoch means a new process group
+    store_host: str  # TCPStore rendezvous of the weight group (learner rank 0 is master)
+    store_port: int
+    rank: int  # this actor's rank in the group (learner rank 0 is rank 0)
+    world_size: int
+    timeout_s: float
+    names: list[str]
+    shapes: list[list[int]]
+    dtype: str  # every parameter is sent in this dtype
+    bucket_bytes: int
+
+    def check(self) -> None:
+        if len(self.names) != len(self.shapes):
+            raise ProtocolError("WeightSync: names and shapes differ in length")
+        if not 0 < self.rank < self.world_size:
+            raise ProtocolError(f"WeightSync.rank: {self.rank} not in 1..{self.world_size - 1}")
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightVersion(Message):
+    """actor -> hub: the engine now serves `served_version`."""
+
+    actor_id: str
+    served_version: int
+    group_epoch: int
+    load_s: float  # seconds from WeightSync to serving the new weights
+
+
+@dataclass(kw_only=True, slots=True)
+class Error(Message):
+    """either way: the peer sent something wrong. Logged and counted, never fatal."""
+
+    code: str  # protocol | unknown_actor | rejected
+    detail: str
+
+
+@dataclass(kw_only=True, slots=True)
+class Shutdown(Message):
+    """hub -> actor: the run is over (or the actor is refused); exit cleanly."""
+
+    reason: str
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.__name__: cls
+    for cls in (Register, RegisterAck, Heartbeat, WorkRequest, WorkGrant, RolloutGroup, WeightSync, WeightVersion, Error, Shutdown)
+}

@@ -1,0 +1,86 @@
+"""The weight group: a torch.distributed process group made only for weight broadcast.
+
+Learner rank 0 is rank 0 and hosts the TCPStore; each actor's engine worker is
+one more rank. It never touches either side's default process group (the
+learner's DeepSpeed group, vLLM's own). Each membership is a numbered group
+epoch with its own store prefix, so a re-formed group never meets keys of an
+old one.
+
+Parameters travel as flat buckets of at most `bucket_bytes`, one broadcast per
+bucket: a round trip per parameter is what makes naive syncs slow. Both sides
+derive the same bucket layout from (names, shapes, dtype) with `plan_buckets`.
+
+Failure mode: a collective with a dead member blocks until `timeout` and then
+raises; the caller must treat the whole group as broken and form a new epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def plan_buckets(shapes: list[list[int]], itemsize: int, bucket_bytes: int) -> list[range]:
+    """Consecutive parameter index ranges whose bytes fit one bucket (a larger tensor gets its own)."""
+    buckets: list[range] = []
+    start, size = 0, 0
+    for i, shape in enumerate(shapes):
+        nbytes = math.prod(shape) * itemsize
+        if i > start and size + nbytes > bucket_bytes:
+            buckets.append(range(start, i))
+            start, size = i, 0
+        size += nbytes
+    if start < len(shapes):
+        buckets.append(range(start, len(shapes)))
+    return buckets
+
+
+def split_bucket(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
+    """Views of `flat` with the given shapes, in order."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[offset : offset + n].view(shape))
+        offset += n
+    assert offset == flat.numel(), f"bucket holds {flat.numel()} elements, shapes need {offset}"
+    return out
+
+
+def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 hosts the store (port 0: pick a free one; read it back from `.port`)."""
+    return dist.TCPStore(
+        host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def open_group(
+    store: dist.Store, bind_host: str, epoch: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
+) -> dist.ProcessGroup:
+    """Join weight-group `epoch`, with gloo bound to `bind_host` (this side's own address).
+
+    Blocks until all `world_size` members have joined, or raises after the timeout.
+    """
+    prefixed = dist.PrefixStore(f"fleetrl-weights/epoch-{epoch}", store)
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    # Bind gloo's transport to the given address only, not to whatever the hostname resolves to.
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    """Broadcast from rank 0 in place; raises on timeout or a dead member."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    group.broadcast([tensor], opts).wait()

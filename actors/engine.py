@@ -92,3 +92,4 @@ class Engine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        del self.llm  # else AsyncLLM.__del__ shuts down again during interpreter exit and prints a TypeError

@@ -124,9 +124,10 @@ class Actor:
                 self.log.warning("actor.bad_message", error=str(e))
                 continue
             if isinstance(msg, m.RegisterAck):
-                self.registered.set()
-                self.log.info("actor.registered", learner_version=msg.policy_version)
-                await self._request_work()
+                if not self.registered.is_set():
+                    self.registered.set()
+                    self.log.info("actor.registered", learner_version=msg.policy_version)
+                    await self._request_work()
             elif isinstance(msg, m.WorkGrant):
                 self.held += 1
                 self._spawn(self._run_grant(msg))

@@ -37,7 +37,7 @@ def demo_model(cfg: Config) -> Path:
     from deploy.tiny import write_tiny_model
     from learner.warmstart import warm_start
 
-    key = json.dumps({"v": 1, "seed": cfg.run.seed, "steps": cfg.demo.warmstart_steps})
+    key = json.dumps({"v": 2, "seed": cfg.run.seed, "steps": cfg.demo.warmstart_steps, "smoothing": cfg.demo.warmstart_smoothing})
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     root = Path(os.environ.get("FLEETRL_CACHE", Path.home() / ".cache" / "fleetrl"))
     final = root / f"demo-model-{digest}"
@@ -49,7 +49,7 @@ def demo_model(cfg: Config) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
     write_tiny_model(tmp, seed=cfg.run.seed)
-    info = warm_start(tmp, cfg.demo.warmstart_steps, cfg.run.seed)
+    info = warm_start(tmp, cfg.demo.warmstart_steps, cfg.run.seed, cfg.demo.warmstart_smoothing)
     try:
         tmp.rename(final)
     except OSError:  # another process built it first

@@ -93,25 +93,26 @@ class Hub:
         self._thread.join(timeout=10)
 
     def take_batch(self, n: int, timeout_s: float | None = None) -> list[Accepted]:
-        """Block until `n` admissible groups are buffered; drop (and requeue) any too stale on the way."""
+        """Block until `n` admissible groups are buffered, then take them; drop (and requeue) any too stale.
+
+        Groups stay in the buffer, counted as outstanding by admission control, until
+        the whole batch is there: taking them one by one would let the dispatcher
+        over-grant while the batch fills.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        batch: list[Accepted] = []
         with self.cond:
-            while len(batch) < n:
-                while self.buffer and len(batch) < n:
-                    item = self.buffer.popleft()
-                    if st.admissible(self.version, item.group.version_min, self.max_staleness):
-                        batch.append(item)
-                    else:
-                        self._drop_stale(item)
-                if len(batch) < n:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        self.buffer.extendleft(reversed(batch))
-                        raise TimeoutError(f"only {len(batch)} of {n} groups arrived in {timeout_s} s")
-                    self.cond.wait(timeout=remaining)
-            self.training = True
-        return batch
+            while True:
+                for item in [i for i in self.buffer if not st.admissible(self.version, i.group.version_min, self.max_staleness)]:
+                    self.buffer.remove(item)
+                    self._drop_stale(item)
+                if len(self.buffer) >= n:
+                    batch = [self.buffer.popleft() for _ in range(n)]
+                    self.training = True
+                    return batch
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"only {len(self.buffer)} of {n} groups arrived in {timeout_s} s")
+                self.cond.wait(timeout=remaining)
 
     def finish_update(self, version: int, trained: list[Key]) -> None:
         """The update that consumed `trained` produced `version`; grants may resume."""
@@ -236,12 +237,17 @@ class Hub:
     async def _on_register(self, identity: bytes, msg: m.Register) -> None:
         with self.cond:
             old = self.actors.get(msg.actor_id)
-            if old is not None:
-                self._release(msg.actor_id, "re-registered")
-            now = time.monotonic()
-            self.actors[msg.actor_id] = ActorState(identity, now, msg.served_version, joined_at=now)
+            repeat = old is not None and old.identity == identity  # a retry from the same connection
+            if repeat:
+                old.last_seen = time.monotonic()
+            else:
+                if old is not None:  # same id, new connection: the old process is gone
+                    self._release(msg.actor_id, "replaced by a new connection")
+                now = time.monotonic()
+                self.actors[msg.actor_id] = ActorState(identity, now, msg.served_version, joined_at=now)
             version = self.version
-        self.log.info("hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version)
+        if not repeat:
+            self.log.info("hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version)
         await self._send(identity, m.RegisterAck(actor_id=msg.actor_id, policy_version=version, heartbeat_s=self.cfg.hub.heartbeat_s))
 
     async def _unknown(self, identity: bytes, actor_id: str) -> None:
@@ -314,6 +320,7 @@ class Hub:
     def _drop_stale(self, item: Accepted) -> None:
         """Caller holds the lock. The sample may never be trained on; its prompt goes back to the queue."""
         self.counters["dropped_stale"] += 1
+        self.log.debug("hub.dropped_stale", key=item.key, sample_version=item.group.version_min, learner_version=self.version, k=self.max_staleness)
         self.ledger.requeue(item.key, "stale")
 
     def _outstanding(self) -> int:
@@ -324,7 +331,7 @@ class Hub:
         sends: list[tuple[bytes, m.WorkGrant]] = []
         with self.cond:
             capacity = st.admission_capacity(self.version, self.training, self.max_staleness, self.cfg.train.prompts_per_step, self._outstanding())
-            min_version = st.min_grant_version(self.version, self.training, self.max_staleness)
+            min_version = st.min_grant_version(self.version)
             deadline = time.monotonic() + self.cfg.staleness.lease_s
             # Fairness: least-loaded actors first.
             for actor_id, state in sorted(self.actors.items(), key=lambda kv: len(kv[1].held)):

@@ -43,6 +43,10 @@ def deepspeed_config(cfg: Config, micro_batches: int) -> dict:
             # torch_adam: DeepSpeed's fused CPU Adam needs a compiled op that the CPU build lacks.
             "params": {"lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, "betas": [0.9, 0.999], "torch_adam": True},
         },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.train.lr, "warmup_num_steps": max(1, cfg.train.warmup_steps), "warmup_type": "linear"},
+        },
         "zero_optimization": {"stage": cfg.train.zero_stage},
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
         "steps_per_print": 10**9,
@@ -94,6 +98,7 @@ class Trainer:
         assert len(chunks) == self.micro_batches, f"{len(chunks)} micro-batches, DeepSpeed expects {self.micro_batches}"
 
         self.engine.train()
+        steps_before = self.engine.global_steps
         loss_sum, clip_sum, mismatch_sum, on_policy = 0.0, 0.0, 0.0, 0
         for chunk in chunks:
             mb = make_micro_batch(chunk, version)
@@ -107,7 +112,7 @@ class Trainer:
             diff = (logp.detach() - mb.behaviour_logp).abs()[mb.on_policy]
             mismatch_sum += diff.sum().item()
             on_policy += int(diff.numel())
-        assert self.engine.is_gradient_accumulation_boundary() or self.micro_batches == 1
+        assert self.engine.global_steps == steps_before + 1, "DeepSpeed did not take exactly one optimizer step"
         stale = [version - g.version_min for g in groups]
         grad_norm = self.engine.get_global_grad_norm()
         return UpdateStats(

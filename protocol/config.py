@@ -47,8 +47,9 @@ class RolloutConfig:
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     prompts_per_step: int = 16  # prompts (groups) consumed by one optimizer step
-    total_steps: int = 40  # optimizer steps in the run
-    lr: float = 2e-3  # AdamW learning rate
+    total_steps: int = 100  # optimizer steps in the run
+    lr: float = 5e-4  # AdamW peak learning rate
+    warmup_steps: int = 10  # linear LR warmup; Adam's first steps are sign-like and jolt a small policy
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # global gradient-norm clip
     clip_eps: float = 0.2  # PPO ratio clip: ratio kept within [1 - eps, 1 + eps]
@@ -95,7 +96,8 @@ class ActorConfig:
 @dataclass(kw_only=True, slots=True)
 class DemoConfig:
     num_actors: int = 2  # actor processes started by `fleetrl demo`
-    warmstart_steps: int = 30  # full-batch supervised steps that give the tiny model its starting policy
+    warmstart_steps: int = 300  # full-batch supervised steps that give the tiny model its starting policy
+    warmstart_smoothing: float = 0.45  # label smoothing of that run: how unsure (high-entropy) the start is
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,6 +174,7 @@ def _check(cfg: Config) -> None:
     need(cfg.train.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
     need(cfg.train.total_steps >= 1, "train.total_steps", "must be >= 1")
     need(cfg.train.lr > 0, "train.lr", "must be > 0")
+    need(cfg.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
     need(0 < cfg.train.clip_eps < 1, "train.clip_eps", "must be in (0, 1)")
     need(cfg.train.tis_cap >= 0, "train.tis_cap", "must be >= 0 (0 disables)")
     need(cfg.train.advantage in ("grpo", "dr_grpo"), "train.advantage", "must be grpo or dr_grpo")
@@ -186,6 +189,7 @@ def _check(cfg: Config) -> None:
     need(cfg.actor.max_groups >= 1, "actor.max_groups", "must be >= 1")
     need(cfg.demo.num_actors >= 1, "demo.num_actors", "must be >= 1")
     need(cfg.demo.warmstart_steps >= 0, "demo.warmstart_steps", "must be >= 0")
+    need(0 <= cfg.demo.warmstart_smoothing < 1, "demo.warmstart_smoothing", "must be in [0, 1)")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -7,6 +7,7 @@ context (not contextvars: the learner's hub thread and training thread share it)
 from __future__ import annotations
 
 import json
+import os
 import logging
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ class _JsonTee:
         return event
 
 
-def setup_logging(role: str, log_file: Path | None = None, level: int = logging.INFO, **context: Any):
+def setup_logging(role: str, log_file: Path | None = None, level: int = logging.DEBUG if os.environ.get("FLEETRL_DEBUG") else logging.INFO, **context: Any):
     set_context(role=role, **context)
     processors: list[Any] = [
         structlog.processors.add_log_level,

@@ -1,0 +1,48 @@
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip)
+
+
+def rollout_group(n=3, prompt_len=4, version=0, seed=0, actor="a0", prompt_id=7, epoch=0):
+    from protocol.messages import RolloutGroup
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 6, size=n).astype(np.int32)
+    total = int(lengths.sum())
+    return RolloutGroup(
+        actor_id=actor, prompt_id=prompt_id, epoch=epoch,
+        prompt_tokens=rng.integers(0, 20, size=prompt_len).astype(np.int32), lengths=lengths,
+        completion_tokens=rng.integers(0, 20, size=total).astype(np.int32),
+        behaviour_logprobs=-rng.random(total).astype(np.float32), rewards=rng.random(n).astype(np.float32),
+        finish_reasons=["stop"] * n, version_min=version, version_max=version, gen_s=0.5, reward_s=0.01)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A warm-started demo model built once per test session (shared with the demo's cache when present)."""
+    from deploy.launch import demo_model
+    from protocol.config import load_config
+
+    os.environ.setdefault("FLEETRL_CACHE", str(ROOT / ".cache"))
+    return demo_model(load_config())

@@ -93,7 +93,7 @@ class Hub:
         self._thread.join(timeout=10)
 
     def take_batch(self, n: int, timeout_s: float | None = None) -> list[Accepted]:
-        """Block until `n` admissible groups are buffered, then take them; drop (and requeue) any too stale.
+        """Block until `n` admissible groups are buffered, take the oldest; drop (and requeue) any too stale.
 
         Groups stay in the buffer, counted as outstanding by admission control, until
         the whole batch is there: taking them one by one would let the dispatcher
@@ -106,7 +106,11 @@ class Hub:
                     self.buffer.remove(item)
                     self._drop_stale(item)
                 if len(self.buffer) >= n:
-                    batch = [self.buffer.popleft() for _ in range(n)]
+                    # Oldest versions first (stable in arrival order): they are the ones that would
+                    # expire at the next update. Arrival order alone drops late, older groups.
+                    batch = sorted(self.buffer, key=lambda i: i.group.version_min)[:n]
+                    taken = {id(i) for i in batch}
+                    self.buffer = deque(i for i in self.buffer if id(i) not in taken)
                     self.training = True
                     return batch
                 remaining = None if deadline is None else deadline - time.monotonic()

@@ -1,0 +1,56 @@
+import pytest
+
+from protocol.config import ConfigError, dump_toml, load_config
+
+
+def test_defaults_validate_and_round_trip(tmp_path):
+    cfg = load_config()
+    path = tmp_path / "c.toml"
+    path.write_text(dump_toml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_overrides_parse_types():
+    cfg = load_config(None, ["train.lr=0.01", "staleness.max_staleness=3", "run.dir=/tmp/x", 'rollout.reward_fn="a.b:c"'])
+    assert cfg.train.lr == 0.01 and cfg.staleness.max_staleness == 3 and cfg.run.dir == "/tmp/x"
+    assert cfg.rollout.reward_fn == "a.b:c"
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.lr=-1", "train.lr"),
+        ("train.lr=fast", "train.lr"),
+        ("train.nope=1", "train.nope"),
+        ("staleness.max_staleness=-1", "staleness.max_staleness"),
+        ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt"),
+        ("hub.bind=localhost:5", "hub.bind"),
+        ("train.zero_stage=4", "train.zero_stage"),
+        ("train.advantage=ppo", "train.advantage"),
+        ("model.dtype=int8", "model.dtype"),
+        ("actor.max_model_len=2", "actor.max_model_len"),
+    ],
+)
+def test_errors_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nlr = 1")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(bad)
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text("[train]\nlr = true\n")
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_config(wrong)
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    for path in (Path(__file__).parent.parent / "configs").glob("*.toml"):
+        load_config(path)

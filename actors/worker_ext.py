@@ -41,20 +41,11 @@ class FleetWeightReceiver:
         t0 = time.perf_counter()
         group = self._fleetrl_group(sync)
         t_join = time.perf_counter()
-        dtype = wg.DTYPES[sync["dtype"]]
-        names, shapes = sync["names"], sync["shapes"]
         model = self.model_runner.get_model()
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        for bucket in wg.plan_buckets(shapes, itemsize, sync["bucket_bytes"]):
-            bucket_shapes = [shapes[i] for i in bucket]
-            flat = torch.empty(sum(torch.Size(s).numel() for s in bucket_shapes), dtype=dtype)
-            wg.broadcast(group, flat)
-            model.load_weights(zip([names[i] for i in bucket], wg.split_bucket(flat, bucket_shapes), strict=True))
+        for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], wg.DTYPES[sync["dtype"]], sync["bucket_bytes"]):
+            model.load_weights(pairs)
         repacked = self._fleetrl_repack(model)
         return {"join_s": t_join - t0, "recv_load_s": time.perf_counter() - t_join, "repacked": float(repacked)}
-
-    def fleetrl_param_names(self) -> list[str]:
-        return [name for name, _ in self.model_runner.get_model().named_parameters()]
 
     def _fleetrl_group(self, sync: dict[str, Any]):
         epoch = sync["group_epoch"]

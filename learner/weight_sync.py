@@ -69,6 +69,4 @@ class WeightSender:
 
     @torch.no_grad()
     def broadcast(self) -> None:
-        for bucket in self.buckets:
-            flat = torch.cat([self.params[i][1].detach().reshape(-1).to(self.torch_dtype) for i in bucket])
-            wg.broadcast(self.group, flat)
+        wg.send_buckets(self.group, [p for _, p in self.params], self.buckets, self.torch_dtype)

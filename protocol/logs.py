@@ -7,8 +7,8 @@ context (not contextvars: the learner's hub thread and training thread share it)
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any

@@ -17,6 +17,7 @@ raises; the caller must treat the whole group as broken and form a new epoch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -84,3 +85,21 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     opts.rootRank = 0
     opts.rootTensor = 0
     group.broadcast([tensor], opts).wait()
+
+
+def send_buckets(group: dist.ProcessGroup, tensors: list[torch.Tensor], buckets: list[range], dtype: torch.dtype) -> None:
+    """Rank 0: flatten each bucket into one tensor and broadcast it."""
+    for bucket in buckets:
+        broadcast(group, torch.cat([tensors[i].detach().reshape(-1).to(dtype) for i in bucket]))
+
+
+def receive_buckets(
+    group: dist.ProcessGroup, names: list[str], shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Other ranks: yield each received bucket as (name, tensor view) pairs, in broadcast order."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    for bucket in plan_buckets(shapes, itemsize, bucket_bytes):
+        bucket_shapes = [shapes[i] for i in bucket]
+        flat = torch.empty(sum(math.prod(s) for s in bucket_shapes), dtype=dtype)
+        broadcast(group, flat)
+        yield list(zip([names[i] for i in bucket], split_bucket(flat, bucket_shapes), strict=True))

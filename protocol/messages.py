@@ -124,7 +124,7 @@ class RolloutGroup(Message):
             raise ProtocolError(f"RolloutGroup: {n} completions but {self.rewards.shape[0]} rewards, {len(self.finish_reasons)} finish reasons")
         if self.version_max < self.version_min:
             raise ProtocolError("RolloutGroup: version_max < version_min")
-        if not np.isfinite(self.rewards).all() or not np.isfinite(self.behaviour_logprobs).all():
+        if not (np.isfinite(self.rewards.sum()) and np.isfinite(self.behaviour_logprobs.sum())):  # one pass each
             raise ProtocolError("RolloutGroup: non-finite reward or logprob")
 
 

@@ -1,6 +1,7 @@
 """Weight sync time vs a raw collective broadcast of the same bytes, one run.
 
-FleetRL: rank 0 flattens parameters into buckets (`send_buckets`); each receiver
+FleetRL: rank 0 flattens parameters into buckets (`flatten_buckets`, the
+snapshot the learner takes before each sync) and broadcasts each; each receiver
 allocates, receives and splits them into named views (`receive_buckets`), the path
 the vLLM worker runs before `load_weights`. Raw: one broadcast of one
 preallocated flat tensor of the same size. Gloo over TCP loopback, 1 and 2 receivers.
@@ -43,7 +44,8 @@ def _run(rank: int, world: int, port: int, shapes, bucket_mb: int, trials: int, 
             if mode == "raw":
                 wg.broadcast(group, flat)
             elif rank == 0:
-                wg.send_buckets(group, params, buckets, torch.float32)
+                for bucket in wg.flatten_buckets(params, buckets, torch.float32):
+                    wg.broadcast(group, bucket)
             else:
                 for pairs in wg.receive_buckets(group, names, shapes, torch.float32, bucket_mb << 20):
                     assert len(pairs) > 0

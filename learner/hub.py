@@ -19,6 +19,7 @@ import asyncio
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import uvloop
@@ -146,7 +147,7 @@ class Hub:
         with self.cond:
             return sorted(self.actors)
 
-    def send_weight_sync(self, members: list[str], make: callable) -> None:
+    def send_weight_sync(self, members: list[str], make: Callable[[str, int], m.WeightSync]) -> None:
         """Send `make(actor_id, rank)` (a WeightSync) to each member, rank = position + 1."""
         assert self._loop is not None
 

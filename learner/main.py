@@ -21,6 +21,20 @@ from protocol.config import Config, dump_toml
 from protocol.logs import set_context, setup_logging
 
 
+def wait_for_batch(hub: Hub, n: int, stop: dict, log, report_s: float = 30.0):
+    """take_batch, but wakes up to honour SIGTERM and to say what it waits for. None when stopping."""
+    waited = 0.0
+    while not stop["flag"]:
+        try:
+            return hub.take_batch(n, timeout_s=1.0)
+        except TimeoutError:
+            waited += 1.0
+            if waited % report_s == 0:
+                snap = hub.snapshot()
+                log.info("learner.waiting_for_rollouts", waited_s=waited, actors=snap["hub/actors"], buffered=snap["hub/buffered"], need=n)
+    return None
+
+
 def run_learner(cfg: Config) -> int:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +70,9 @@ def run_learner(cfg: Config) -> int:
     try:
         while version < cfg.train.total_steps and not stop["flag"]:
             t0 = time.perf_counter()
-            batch = hub.take_batch(cfg.train.prompts_per_step)
+            batch = wait_for_batch(hub, cfg.train.prompts_per_step, stop, log)
+            if batch is None:
+                break
             t_wait = time.perf_counter() - t0
             k = hub.max_staleness
             try:
@@ -82,8 +98,9 @@ def run_learner(cfg: Config) -> int:
             metrics.write(row)
             log.info("learner.step", step=version, reward=round(stats.reward_mean, 3), staleness_max=stats.staleness_max,
                      mismatch=None if stats.on_policy_tokens == 0 else float(f"{stats.logprob_mismatch:.2e}"),
-                     wait_s=round(t_wait, 2), train_s=round(t_train, 2), sync_s=round(sync["time/weight_sync"], 3))
+                     wait_s=round(t_wait, 2), train_s=round(t_train, 2), sync_s=round(sync["time/weight_sync"], 3), broadcast_s=round(sync.get("time/broadcast", 0.0), 3))
     finally:
+        sender.wait()
         hub.stop("run finished" if version >= cfg.train.total_steps else "learner stopping")
         metrics.close()
         plot = metrics.plot()

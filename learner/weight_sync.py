@@ -5,10 +5,13 @@ from the last group's, the next sync forms a new group epoch (every member gets
 a WeightSync naming it, a newcomer included, and joins before the broadcast).
 A failed broadcast (a member died: gloo times out) leaves no group behind; the
 next sync forms a new epoch without the dead member.
+
+Only the sending thread touches the group; `sync` and `wait` hand work to it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -37,36 +40,63 @@ class WeightSender:
         self.epoch = 0
         self.members: list[str] = []
         self.group = None
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+        self._last_s = 0.0
         self.log = get_logger()
 
     def sync(self, version: int, hub: Hub) -> dict[str, float]:
-        """Send `version` to every live actor. Returns timings; raises nothing on a dead member."""
+        """Start sending `version` to every live actor; returns how long the learner was held up.
+
+        The broadcast runs in a background thread on a snapshot of the parameters, so the
+        next update overlaps it. That is safe for any max_staleness: the hub grants work
+        only to actors that report serving the current version. The next sync first
+        waits for this one (one collective sequence per group at a time).
+        """
+        t0 = time.perf_counter()
+        out = self.wait()
         members = hub.live_actors()
         if not members:
-            return {"time/weight_sync": 0.0, "weights/members": 0.0}
-        t0 = time.perf_counter()
+            out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": 0.0})
+            return out
         if members != self.members or self.group is None:
             self.epoch += 1
             self.members, self.group = members, None
             self.log.info("weights.new_group_epoch", epoch=self.epoch, members=members)
+        epoch, world = self.epoch, len(members) + 1
 
         def make(actor_id: str, rank: int) -> m.WeightSync:
             return m.WeightSync(
-                policy_version=version, group_epoch=self.epoch, store_host=self.cfg.host, store_port=self.port,
-                rank=rank, world_size=len(members) + 1, timeout_s=self.cfg.timeout_s, names=self.names,
+                policy_version=version, group_epoch=epoch, store_host=self.cfg.host, store_port=self.port,
+                rank=rank, world_size=world, timeout_s=self.cfg.timeout_s, names=self.names,
                 shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
 
+        flats = wg.flatten_buckets([p for _, p in self.params], self.buckets, self.torch_dtype)
         hub.send_weight_sync(members, make)
+        self._thread = threading.Thread(target=self._broadcast, args=(flats, epoch, world), name="fleetrl-weights", daemon=True)
+        self._thread.start()
+        out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": float(len(members))})
+        return out
+
+    def wait(self) -> dict[str, float]:
+        """Finish the broadcast in flight; report its duration, or its failure."""
+        if self._thread is None:
+            return {}
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            self.log.error("weights.broadcast_failed", epoch=self.epoch, error=self._error)
+            self._error, self.group, self.members = None, None, []  # the next sync forms a new epoch
+            return {"weights/failed": 1.0}
+        return {"time/broadcast": self._last_s}
+
+    def _broadcast(self, flats: list[torch.Tensor], epoch: int, world: int) -> None:
+        t0 = time.perf_counter()
         try:
             if self.group is None:
-                self.group = wg.open_group(self.store, self.cfg.host, self.epoch, 0, len(members) + 1, self.cfg.timeout_s, self.backend)
-            self.broadcast()
+                self.group = wg.open_group(self.store, self.cfg.host, epoch, 0, world, self.cfg.timeout_s, self.backend)
+            for flat in flats:
+                wg.broadcast(self.group, flat)
         except RuntimeError as e:  # gloo/NCCL raise RuntimeError (DistBackendError) on timeout or a dead peer
-            self.log.error("weights.broadcast_failed", epoch=self.epoch, error=str(e))
-            self.group, self.members = None, []
-            return {"time/weight_sync": time.perf_counter() - t0, "weights/failed": 1.0}
-        return {"time/weight_sync": time.perf_counter() - t0, "weights/members": float(len(members))}
-
-    @torch.no_grad()
-    def broadcast(self) -> None:
-        wg.send_buckets(self.group, [p for _, p in self.params], self.buckets, self.torch_dtype)
+            self._error = str(e)
+        self._last_s = time.perf_counter() - t0

@@ -87,10 +87,10 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def send_buckets(group: dist.ProcessGroup, tensors: list[torch.Tensor], buckets: list[range], dtype: torch.dtype) -> None:
-    """Rank 0: flatten each bucket into one tensor and broadcast it."""
-    for bucket in buckets:
-        broadcast(group, torch.cat([tensors[i].detach().reshape(-1).to(dtype) for i in bucket]))
+def flatten_buckets(tensors: list[torch.Tensor], buckets: list[range], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Rank 0: one flat copy per bucket (also the snapshot that the optimizer cannot change under a broadcast)."""
+    with torch.no_grad():
+        return [torch.cat([tensors[i].detach().reshape(-1).to(dtype) for i in bucket]) for bucket in buckets]
 
 
 def receive_buckets(

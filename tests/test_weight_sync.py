@@ -7,8 +7,6 @@ a naive update (24 nats of error were measured), so this is the test that matter
 """
 
 import asyncio
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -63,8 +61,15 @@ def setup(tmp_path_factory):
     engine = loop.run_until_complete(_make_engine(Engine, cfg))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     yield cfg, engine, model, loop
-    engine.shutdown()
+    loop.run_until_complete(_shutdown(engine))
     loop.close()
+
+
+async def _shutdown(engine):
+    # AsyncLLM closes its ZeroMQ sockets from tasks on this loop; shutting down outside the
+    # running loop leaves one open, and the context's garbage collection then blocks forever.
+    engine.shutdown()
+    await asyncio.sleep(0.5)
 
 
 async def _make_engine(cls, cfg):
@@ -72,15 +77,11 @@ async def _make_engine(cls, cfg):
 
 
 def _sync(cfg, engine, sender, hub, version, loop):
-    result = {}
-    t = threading.Thread(target=lambda: result.update(sender.sync(version, hub)))
-    t.start()
-    while not hub.sent:
-        time.sleep(0.01)
+    sender.sync(version, hub)  # sends WeightSync and returns; the broadcast runs in the background
     msg = hub.sent.pop()
     info = loop.run_until_complete(engine.apply_weights(msg))
-    t.join(timeout=60)
-    assert "weights/failed" not in result, result
+    done = sender.wait()
+    assert "weights/failed" not in done and done["time/broadcast"] > 0, done
     return msg, info
 
 

@@ -28,8 +28,9 @@ import zmq.asyncio
 from actors.rewards import load_reward_fn
 from protocol import messages as m
 from protocol import transport
-from protocol.config import Config
+from protocol.config import Config, parse_cpus
 from protocol.logs import set_context, setup_logging
+from protocol.net import pin_cpus
 
 
 class Actor:
@@ -185,6 +186,7 @@ def cfg_log_file(cfg: Config, actor_id: str):
 
 
 def run_actor(cfg: Config, learner: str, actor_id: str | None = None) -> int:
+    pin_cpus(parse_cpus(cfg.actor.cpu_affinity, "actor.cpu_affinity"))  # inherited by vLLM's processes
     async def main() -> int:
         return await Actor(cfg, learner, actor_id).run()
 

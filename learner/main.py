@@ -17,8 +17,9 @@ from learner.data import load_prompts
 from learner.hub import Hub
 from learner.metrics import MetricsWriter
 from learner.weight_sync import WeightSender
-from protocol.config import Config, dump_toml
+from protocol.config import Config, dump_toml, parse_cpus
 from protocol.logs import set_context, setup_logging
+from protocol.net import pin_cpus
 
 
 def wait_for_batch(hub: Hub, n: int, stop: dict, log, report_s: float = 30.0):
@@ -43,6 +44,7 @@ def run_learner(cfg: Config) -> int:
     if not cfg.model.path:
         raise ValueError("model.path: empty; point it at a Hugging Face model folder (`fleetrl demo` builds one)")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    pin_cpus(parse_cpus(cfg.train.cpu_affinity, "train.cpu_affinity"))
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.run.seed)
 

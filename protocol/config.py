@@ -58,6 +58,7 @@ class TrainConfig:
     zero_stage: int = 2  # DeepSpeed ZeRO stage (0, 1, 2 or 3)
     micro_batch_samples: int = 64  # samples per forward/backward (gradient accumulation beyond)
     threads: int = 1  # torch intra-op threads in the learner process
+    cpu_affinity: str = ""  # CPU ids the learner may run on, e.g. "0" or "0-3" ("" = all)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,6 +92,7 @@ class ActorConfig:
     threads: int = 1  # CPU threads for the engine's worker (OMP_NUM_THREADS)
     cpu_bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND: "nobind", "auto", or CPU ids such as "0-1"
     max_groups: int = 8  # prompts an actor holds at once (asks for more below this)
+    cpu_affinity: str = ""  # CPU ids the actor and its engine processes may run on, e.g. "1" ("" = all)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,7 +119,17 @@ class Config:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True, slots=True)
+class _Override:
+    """A command-line value: its raw text for str fields (`train.cpu_affinity=0`), else its TOML value."""
+
+    text: str
+    value: Any
+
+
 def _coerce(name: str, typ: type, value: Any) -> Any:
+    if isinstance(value, _Override):
+        value = value.text if typ is str else value.value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is bool or isinstance(value, bool):
@@ -155,7 +167,8 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # bare strings need no quotes on the command line
-    return key.strip().split("."), value
+    text = value if isinstance(value, str) else raw
+    return key.strip().split("."), _Override(text, value)
 
 
 def _check(cfg: Config) -> None:
@@ -192,6 +205,18 @@ def _check(cfg: Config) -> None:
     need(0 <= cfg.demo.warmstart_smoothing < 1, "demo.warmstart_smoothing", "must be in [0, 1)")
 
 
+def parse_cpus(spec: str, name: str) -> set[int]:
+    """'0,2-3' -> {0, 2, 3}; ConfigError naming the field when malformed."""
+    cpus: set[int] = set()
+    try:
+        for part in filter(None, spec.split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError as e:
+        raise ConfigError(f"{name}: {spec!r} is not a CPU list like '0,2-3'") from e
+    return cpus
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a TOML file (or the defaults), apply overrides, validate. Raises ConfigError."""
     data: dict[str, Any] = {}
@@ -212,6 +237,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         node[keys[-1]] = value
     cfg = _build(Config, data, "")
     _check(cfg)
+    parse_cpus(cfg.train.cpu_affinity, "train.cpu_affinity")
+    parse_cpus(cfg.actor.cpu_affinity, "actor.cpu_affinity")
     return cfg
 
 

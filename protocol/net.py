@@ -1,7 +1,8 @@
-"""Small network helpers shared by both sides."""
+"""Small process and network helpers shared by both sides."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 
@@ -16,3 +17,9 @@ def local_addr_towards(host: str, port: int) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, port))
         return s.getsockname()[0]
+
+
+def pin_cpus(cpus: set[int]) -> None:
+    """Restrict this process (and the processes it starts later) to `cpus`; empty = leave as is."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)

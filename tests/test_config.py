@@ -29,6 +29,7 @@ def test_overrides_parse_types():
         ("train.advantage=ppo", "train.advantage"),
         ("model.dtype=int8", "model.dtype"),
         ("actor.max_model_len=2", "actor.max_model_len"),
+        ("train.cpu_affinity=zero", "train.cpu_affinity"),
     ],
 )
 def test_errors_name_the_field(override, field):

@@ -259,13 +259,18 @@ class Hub:
         self.counters["unknown_actor"] += 1
         await self._send(identity, m.Error(code="unknown_actor", detail=f"actor {actor_id!r} is not registered; register again"))
 
-    async def _on_heartbeat(self, identity: bytes, msg: m.Heartbeat) -> None:
+    async def _served(self, identity: bytes, actor_id: str, served_version: int) -> bool:
+        """Record the version an actor serves (max: a heartbeat sent before a sync may arrive after it)."""
         with self.cond:
-            state = self._known(msg.actor_id, identity)
+            state = self._known(actor_id, identity)
             if state is not None:
-                state.served_version = msg.served_version
+                state.served_version = max(state.served_version, served_version)
         if state is None:
-            await self._unknown(identity, msg.actor_id)
+            await self._unknown(identity, actor_id)
+        return state is not None
+
+    async def _on_heartbeat(self, identity: bytes, msg: m.Heartbeat) -> None:
+        await self._served(identity, msg.actor_id, msg.served_version)
 
     async def _on_work_request(self, identity: bytes, msg: m.WorkRequest) -> None:
         with self.cond:
@@ -278,15 +283,9 @@ class Hub:
         await self._pump()
 
     async def _on_weight_version(self, identity: bytes, msg: m.WeightVersion) -> None:
-        with self.cond:
-            state = self._known(msg.actor_id, identity)
-            if state is not None:
-                state.served_version = msg.served_version
-        if state is None:
-            await self._unknown(identity, msg.actor_id)
-            return
-        self.log.info("hub.actor_synced", actor=msg.actor_id, served=msg.served_version, load_s=round(msg.load_s, 4))
-        await self._pump()
+        if await self._served(identity, msg.actor_id, msg.served_version):
+            self.log.debug("hub.actor_synced", actor=msg.actor_id, served=msg.served_version, load_s=round(msg.load_s, 4))
+            await self._pump()
 
     async def _on_rollout(self, identity: bytes, msg: m.RolloutGroup) -> None:
         key = (msg.epoch, msg.prompt_id)

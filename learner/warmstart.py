@@ -52,4 +52,4 @@ def warm_start(model_dir: Path, steps: int, seed: int, smoothing: float, lr: flo
         loss.backward()
         opt.step()
     model.save_pretrained(model_dir)
-    return {"final_loss": float(loss)}
+    return {"final_loss": loss.item()}

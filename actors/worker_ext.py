@@ -42,7 +42,12 @@ class FleetWeightReceiver:
         group = self._fleetrl_group(sync)
         t_join = time.perf_counter()
         model = self.model_runner.get_model()
-        for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], wg.DTYPES[sync["dtype"]], sync["bucket_bytes"]):
+        dtype = wg.DTYPES[sync["dtype"]]
+        buffer = getattr(self, "_fleetrl_buffer", None)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < sync["bucket_bytes"] // buffer.element_size():
+            # One bucket-sized landing buffer, kept across syncs (load_weights copies out of it).
+            buffer = self._fleetrl_buffer = torch.empty(sync["bucket_bytes"] // torch.tensor([], dtype=dtype).element_size(), dtype=dtype)
+        for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], dtype, sync["bucket_bytes"], buffer):
             model.load_weights(pairs)
         repacked = self._fleetrl_repack(model)
         return {"join_s": t_join - t0, "recv_load_s": time.perf_counter() - t_join, "repacked": float(repacked)}

@@ -43,6 +43,7 @@ class WeightSender:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._last_s = 0.0
+        self._flats: list[torch.Tensor] | None = None
         self.log = get_logger()
 
     def sync(self, version: int, hub: Hub) -> dict[str, float]:
@@ -71,7 +72,8 @@ class WeightSender:
                 rank=rank, world_size=world, timeout_s=self.cfg.timeout_s, names=self.names,
                 shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
 
-        flats = wg.flatten_buckets([p for _, p in self.params], self.buckets, self.torch_dtype)
+        # Reused across syncs; safe because wait() above finished the broadcast that read them.
+        self._flats = flats = wg.flatten_buckets([p for _, p in self.params], self.buckets, self.torch_dtype, self._flats)
         hub.send_weight_sync(members, make)
         self._thread = threading.Thread(target=self._broadcast, args=(flats, epoch, world), name="fleetrl-weights", daemon=True)
         self._thread.start()

@@ -87,19 +87,41 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def flatten_buckets(tensors: list[torch.Tensor], buckets: list[range], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Rank 0: one flat copy per bucket (also the snapshot that the optimizer cannot change under a broadcast)."""
+def bucket_numels(shapes: list[list[int]], buckets: list[range]) -> list[int]:
+    return [sum(math.prod(shapes[i]) for i in bucket) for bucket in buckets]
+
+
+def flatten_buckets(
+    tensors: list[torch.Tensor], buckets: list[range], dtype: torch.dtype, out: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """Rank 0: one flat copy per bucket (also the snapshot the optimizer cannot change under a broadcast).
+
+    Pass the previous result as `out` to reuse its memory: fresh buffers cost a page fault per
+    4 KiB on first touch, which measured as much as the transfer itself on loopback.
+    """
+    if out is None:
+        out = [torch.empty(n, dtype=dtype) for n in bucket_numels([list(t.shape) for t in tensors], buckets)]
     with torch.no_grad():
-        return [torch.cat([tensors[i].detach().reshape(-1).to(dtype) for i in bucket]) for bucket in buckets]
+        for flat, bucket in zip(out, buckets, strict=True):
+            torch.cat([tensors[i].detach().reshape(-1).to(dtype) for i in bucket], out=flat)
+    return out
 
 
 def receive_buckets(
-    group: dist.ProcessGroup, names: list[str], shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int
+    group: dist.ProcessGroup, names: list[str], shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int,
+    buffer: torch.Tensor | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Other ranks: yield each received bucket as (name, tensor view) pairs, in broadcast order."""
+    """Other ranks: yield each received bucket as (name, tensor view) pairs, in broadcast order.
+
+    Every bucket lands in one reused `buffer` (allocated here if missing or too small), so the
+    views are valid only until the next bucket is requested: load them before asking for more.
+    """
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    for bucket in plan_buckets(shapes, itemsize, bucket_bytes):
-        bucket_shapes = [shapes[i] for i in bucket]
-        flat = torch.empty(sum(math.prod(s) for s in bucket_shapes), dtype=dtype)
+    buckets = plan_buckets(shapes, itemsize, bucket_bytes)
+    numels = bucket_numels(shapes, buckets)
+    if buffer is None or buffer.dtype != dtype or buffer.numel() < max(numels, default=0):
+        buffer = torch.empty(max(numels, default=0), dtype=dtype)
+    for bucket, numel in zip(buckets, numels, strict=True):
+        flat = buffer[:numel]
         broadcast(group, flat)
-        yield list(zip([names[i] for i in bucket], split_bucket(flat, bucket_shapes), strict=True))
+        yield list(zip([names[i] for i in bucket], split_bucket(flat, [shapes[i] for i in bucket]), strict=True))

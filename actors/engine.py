@@ -55,7 +55,6 @@ class Engine:
             worker_extension_cls="actors.worker_ext.FleetWeightReceiver",
         )
         self.llm = AsyncLLM.from_engine_args(args)
-        self.tokenizer = None
 
     async def generate_group(self, prompt_tokens: np.ndarray, n: int, seed: int | None = None) -> list[Completion]:
         """`n` completions of one prompt as one request (vLLM fans it out to n sequences)."""

@@ -19,6 +19,7 @@ import signal
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import uvloop
@@ -47,7 +48,8 @@ class Actor:
         self.stop = asyncio.Event()
         self.exit_code = 0
         self.tasks: set[asyncio.Task] = set()
-        self.log = setup_logging("actor", cfg_log_file(cfg, self.actor_id), actor_id=self.actor_id, policy_version=0)
+        log_file = Path(cfg.run.dir) / "logs" / f"actor-{self.actor_id}.jsonl"
+        self.log = setup_logging("actor", log_file, actor_id=self.actor_id, policy_version=0)
 
     async def run(self) -> int:
         from actors.engine import Engine
@@ -177,12 +179,6 @@ class Actor:
             self.log.debug("actor.weights_loaded", version=sync.policy_version, epoch=sync.group_epoch, load_s=round(load_s, 4), **result)
             await self._send(m.WeightVersion(actor_id=self.actor_id, served_version=sync.policy_version, group_epoch=sync.group_epoch, load_s=load_s))
         await self._request_work()
-
-
-def cfg_log_file(cfg: Config, actor_id: str):
-    from pathlib import Path
-
-    return Path(cfg.run.dir) / "logs" / f"actor-{actor_id}.jsonl"
 
 
 def run_actor(cfg: Config, learner: str, actor_id: str | None = None) -> int:

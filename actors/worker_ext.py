@@ -43,10 +43,12 @@ class FleetWeightReceiver:
         t_join = time.perf_counter()
         model = self.model_runner.get_model()
         dtype = wg.DTYPES[sync["dtype"]]
+        need = wg.landing_numel(sync["shapes"], dtype, sync["bucket_bytes"])
         buffer = getattr(self, "_fleetrl_buffer", None)
-        if buffer is None or buffer.dtype != dtype or buffer.numel() < sync["bucket_bytes"] // buffer.element_size():
-            # One bucket-sized landing buffer, kept across syncs (load_weights copies out of it).
-            buffer = self._fleetrl_buffer = torch.empty(sync["bucket_bytes"] // torch.tensor([], dtype=dtype).element_size(), dtype=dtype)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < need:
+            # One landing buffer kept across syncs (load_weights copies out of it): fresh memory
+            # page-faults on first touch, which costs about as much as the transfer.
+            buffer = self._fleetrl_buffer = torch.empty(need, dtype=dtype)
         for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], dtype, sync["bucket_bytes"], buffer):
             model.load_weights(pairs)
         repacked = self._fleetrl_repack(model)

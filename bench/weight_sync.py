@@ -51,7 +51,7 @@ def _run(rank: int, world: int, port: int, shapes, bucket_mb: int, trials: int, 
                     wg.broadcast(group, bucket)
             else:
                 if landing is None:
-                    landing = torch.empty((bucket_mb << 20) // 4)
+                    landing = torch.empty(wg.landing_numel(shapes, torch.float32, bucket_mb << 20))
                 for pairs in wg.receive_buckets(group, names, shapes, torch.float32, bucket_mb << 20, landing):
                     assert len(pairs) > 0
             wg.broadcast(group, sync)  # everyone has it

@@ -289,17 +289,12 @@ class Hub:
 
     async def _on_rollout(self, identity: bytes, msg: m.RolloutGroup) -> None:
         key = (msg.epoch, msg.prompt_id)
+        n, expected = msg.lengths.shape[0], self.cfg.rollout.samples_per_prompt
         with self.cond:
             state = self._known(msg.actor_id, identity)
-            if state is None:
-                accepted = None
-            elif msg.lengths.shape[0] != self.cfg.rollout.samples_per_prompt:
-                accepted = False
-                self.counters["bad_group_size"] += 1
-            else:
+            if state is not None and n == expected:
                 state.held.discard(key)
-                accepted = self.ledger.receive(key)
-                if accepted:
+                if self.ledger.receive(key):
                     state.groups += 1
                     item = Accepted(key, msg, time.monotonic())
                     if st.admissible(self.version, msg.version_min, self.max_staleness):
@@ -307,10 +302,12 @@ class Hub:
                         self.cond.notify_all()
                     else:  # already too stale on arrival: versions only grow, it can never be used
                         self._drop_stale(item)
-        if accepted is None:
+            elif state is not None:
+                self.counters["bad_group_size"] += 1
+        if state is None:
             await self._unknown(identity, msg.actor_id)
-        elif accepted is False and msg.lengths.shape[0] != self.cfg.rollout.samples_per_prompt:
-            await self._send(identity, m.Error(code="rejected", detail=f"group has {msg.lengths.shape[0]} samples, expected {self.cfg.rollout.samples_per_prompt}"))
+        elif n != expected:
+            await self._send(identity, m.Error(code="rejected", detail=f"group has {n} samples, expected {expected}"))
         await self._pump()
 
     _handlers = {

@@ -91,6 +91,12 @@ def bucket_numels(shapes: list[list[int]], buckets: list[range]) -> list[int]:
     return [sum(math.prod(shapes[i]) for i in bucket) for bucket in buckets]
 
 
+def landing_numel(shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int) -> int:
+    """Elements of the one buffer a receiver needs: the largest bucket (a tensor above bucket_bytes is its own)."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return max(bucket_numels(shapes, plan_buckets(shapes, itemsize, bucket_bytes)), default=0)
+
+
 def flatten_buckets(
     tensors: list[torch.Tensor], buckets: list[range], dtype: torch.dtype, out: list[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
@@ -120,7 +126,7 @@ def receive_buckets(
     buckets = plan_buckets(shapes, itemsize, bucket_bytes)
     numels = bucket_numels(shapes, buckets)
     if buffer is None or buffer.dtype != dtype or buffer.numel() < max(numels, default=0):
-        buffer = torch.empty(max(numels, default=0), dtype=dtype)
+        buffer = torch.empty(landing_numel(shapes, dtype, bucket_bytes), dtype=dtype)
     for bucket, numel in zip(buckets, numels, strict=True):
         flat = buffer[:numel]
         broadcast(group, flat)

@@ -62,6 +62,12 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
 
 
 @cache
+def _array_specs(cls: type[Message]) -> dict[str, tuple[np.dtype, int]]:
+    """name -> (little-endian dtype, ndim); np.dtype construction is too slow to repeat per message."""
+    return {name: (np.dtype(dtype).newbyteorder("<"), ndim) for name, (dtype, ndim) in cls.ARRAYS.items()}
+
+
+@cache
 def _field_checkers(cls: type[Message]) -> tuple[tuple[str, Any, Callable[[Any], bool]], ...]:
     return tuple((name, hint, _checker(hint)) for name, hint in _scalar_fields(cls).items())
 
@@ -75,9 +81,10 @@ def decode(frames: Sequence[Any], max_frame_bytes: int = 64 << 20) -> Message:
     if not frames:
         raise ProtocolError("empty message: no frames")
     bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames]
-    for i, buf in enumerate(bufs):
-        if _nbytes(buf) > max_frame_bytes:
-            raise ProtocolError(f"frame {i}: {_nbytes(buf)} bytes exceeds the limit of {max_frame_bytes}")
+    sizes = [_nbytes(buf) for buf in bufs]
+    for i, size in enumerate(sizes):
+        if size > max_frame_bytes:
+            raise ProtocolError(f"frame {i}: {size} bytes exceeds the limit of {max_frame_bytes}")
     try:
         header = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types on garbage
@@ -109,22 +116,22 @@ def decode(frames: Sequence[Any], max_frame_bytes: int = 64 << 20) -> Message:
 
     if len(specs) != len(cls.ARRAYS) or len(bufs) != 1 + len(cls.ARRAYS):
         raise ProtocolError(f"{name}: expected {len(cls.ARRAYS)} array frames, header lists {len(specs)}, got {len(bufs) - 1}")
-    for spec, buf in zip(specs, bufs[1:], strict=True):
+    arrays = _array_specs(cls)
+    for spec, buf, size in zip(specs, bufs[1:], sizes[1:], strict=True):
         if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)):
             raise ProtocolError(f"{name}: malformed array spec {spec!r}")
         key, dtype, shape = spec
-        if key not in cls.ARRAYS or key in kwargs:
+        if key not in arrays or key in kwargs:
             raise ProtocolError(f"{name}.{key}: unexpected or repeated array")
-        want_dtype, want_ndim = cls.ARRAYS[key]
-        if dtype != want_dtype:
-            raise ProtocolError(f"{name}.{key}: dtype {dtype!r}, expected {want_dtype}")
-        if not (isinstance(shape, list) and len(shape) == want_ndim and all(isinstance(d, int) and d >= 0 for d in shape)):
+        want_dtype, want_ndim = arrays[key]
+        if dtype != cls.ARRAYS[key][0]:
+            raise ProtocolError(f"{name}.{key}: dtype {dtype!r}, expected {cls.ARRAYS[key][0]}")
+        if not (type(shape) is list and len(shape) == want_ndim and all(type(d) is int and d >= 0 for d in shape)):
             raise ProtocolError(f"{name}.{key}: shape {shape!r}, expected {want_ndim} non-negative dims")
         count = math.prod(shape)
-        itemsize = np.dtype(dtype).itemsize
-        if count * itemsize != _nbytes(buf):
-            raise ProtocolError(f"{name}.{key}: shape {shape} needs {count * itemsize} bytes, frame has {_nbytes(buf)}")
-        kwargs[key] = np.frombuffer(buf, dtype=np.dtype(dtype).newbyteorder("<"), count=count).reshape(shape)
+        if count * want_dtype.itemsize != size:
+            raise ProtocolError(f"{name}.{key}: shape {shape} needs {count * want_dtype.itemsize} bytes, frame has {size}")
+        kwargs[key] = np.frombuffer(buf, dtype=want_dtype, count=count).reshape(shape)
     msg = cls(**kwargs)
     msg.check()
     return msg

@@ -45,7 +45,7 @@ class Engine:
         self.cfg = cfg
         args = AsyncEngineArgs(
             model=cfg.model.path,
-            dtype=cfg.model.dtype,
+            dtype=cfg.model.dtype,  # type: ignore[arg-type]  # validated by the config: float32 | bfloat16
             seed=cfg.run.seed,
             max_model_len=cfg.actor.max_model_len,
             max_num_seqs=cfg.actor.max_num_seqs,
@@ -59,6 +59,7 @@ class Engine:
     async def generate_group(self, prompt_tokens: np.ndarray, n: int, seed: int | None = None) -> list[Completion]:
         """`n` completions of one prompt as one request (vLLM fans it out to n sequences)."""
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
@@ -66,13 +67,14 @@ class Engine:
             seed=seed, output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=True,
         )
         final = None
-        prompt = {"prompt_token_ids": [int(t) for t in prompt_tokens]}
+        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_tokens])
         async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
             final = out
         assert final is not None and len(final.outputs) == n, "engine returned no or partial output"
         completions = []
         for c in final.outputs:
             ids = list(c.token_ids)
+            assert c.logprobs is not None, "requested logprobs=0 but the engine returned none"
             lps = [c.logprobs[j][t].logprob for j, t in enumerate(ids)]
             completions.append(Completion(
                 token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps, dtype=np.float32),

@@ -13,6 +13,7 @@ each layer's packed copy after every load. The logprob-match test proves it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,13 +21,15 @@ import torch
 from protocol import weights as wg
 from protocol.net import local_addr_towards
 
+_pack_linear: Callable[..., None] | None
 try:  # only the CPU build packs weights; on CUDA this patch is never reached.
     from vllm.model_executor.layers import utils as _vllm_layer_utils
 
     _pack_linear = _vllm_layer_utils.dispatch_cpu_unquantized_gemm
+    _vllm_pack = _pack_linear
 
     def _pack_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
-        _pack_linear(layer, remove_weight=False)
+        _vllm_pack(layer, remove_weight=False)
 
     _vllm_layer_utils.dispatch_cpu_unquantized_gemm = _pack_keeping_weight
 except (ImportError, AttributeError):  # a vLLM without CPU GEMM dispatch: nothing to patch
@@ -35,6 +38,8 @@ except (ImportError, AttributeError):  # a vLLM without CPU GEMM dispatch: nothi
 
 class FleetWeightReceiver:
     """Methods run in the vLLM worker; names carry a prefix so they cannot clash with the worker's."""
+
+    model_runner: Any  # provided by the vLLM worker class this is mixed into
 
     def fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, float]:
         """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it."""
@@ -72,12 +77,14 @@ class FleetWeightReceiver:
     @staticmethod
     def _fleetrl_repack(model: torch.nn.Module) -> int:
         """Rebuild the CPU GEMM packed copy of every linear layer from its (kept) weight."""
-        if _pack_linear is None or not any(hasattr(m, "cpu_linear") for m in model.modules()):
+        pack = _pack_linear
+        if pack is None or not any(hasattr(m, "cpu_linear") for m in model.modules()):
             return 0
         count = 0
         for module in model.modules():
             if hasattr(module, "cpu_linear") and getattr(module, "weight", None) is not None:
-                assert module.weight.numel() > 0, f"{type(module).__name__}: weight was removed by packing"
-                _pack_linear(module, remove_weight=False)
+                weight = module.weight
+                assert isinstance(weight, torch.Tensor) and weight.numel() > 0, f"{type(module).__name__}: weight was removed by packing"
+                pack(module, remove_weight=False)
                 count += 1
         return count

@@ -43,7 +43,6 @@ def build_model(vocab_size: int, seed: int, hidden: int = 128, layers: int = 2, 
         bos_token_id=SPECIALS.index("<bos>"),
         eos_token_id=SPECIALS.index("<eos>"),
         pad_token_id=SPECIALS.index("<pad>"),
-        torch_dtype="float32",
     )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)

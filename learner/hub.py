@@ -19,8 +19,9 @@ import asyncio
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvloop
 import zmq
@@ -224,6 +225,7 @@ class Hub:
         await handler(self, identity, msg)
 
     async def _send(self, identity: bytes, msg: m.Message) -> bool:
+        assert self._sock is not None, "hub socket used before bind"
         try:
             await asyncio.wait_for(transport.send(self._sock, msg, identity), timeout=10)
             return True
@@ -243,7 +245,7 @@ class Hub:
         with self.cond:
             old = self.actors.get(msg.actor_id)
             repeat = old is not None and old.identity == identity  # a retry from the same connection
-            if repeat:
+            if old is not None and repeat:
                 old.last_seen = time.monotonic()
             else:
                 if old is not None:  # same id, new connection: the old process is gone
@@ -310,7 +312,7 @@ class Hub:
             await self._send(identity, m.Error(code="rejected", detail=f"group has {n} samples, expected {expected}"))
         await self._pump()
 
-    _handlers = {
+    _handlers: dict[type, Callable[[Hub, bytes, Any], Awaitable[None]]] = {
         m.Register: _on_register,
         m.Heartbeat: _on_heartbeat,
         m.WorkRequest: _on_work_request,

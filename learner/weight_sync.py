@@ -15,6 +15,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from learner.hub import Hub
 from protocol import messages as m
@@ -39,7 +40,7 @@ class WeightSender:
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.epoch = 0
         self.members: list[str] = []
-        self.group = None
+        self.group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._last_s = 0.0

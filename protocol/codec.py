@@ -14,7 +14,6 @@ import dataclasses
 import math
 import typing
 from collections.abc import Callable, Sequence
-from functools import cache
 from typing import Any
 
 import msgpack
@@ -25,8 +24,7 @@ from protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, Protocol
 Buffer = bytes | bytearray | memoryview
 
 
-@cache
-def _scalar_fields(cls: type[Message]) -> dict[str, Any]:
+def _scalar_fields_of(cls: type[Message]) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in cls.ARRAYS}
 
@@ -34,7 +32,7 @@ def _scalar_fields(cls: type[Message]) -> dict[str, Any]:
 def encode(msg: Message) -> list[Buffer]:
     """Message -> frames for `socket.send_multipart(frames, copy=False)`."""
     cls = type(msg)
-    scalars = {name: getattr(msg, name) for name in _scalar_fields(cls)}
+    scalars = {name: getattr(msg, name) for name in _SCALARS[cls]}
     specs, frames = [], []
     for name, (dtype, ndim) in cls.ARRAYS.items():
         arr = getattr(msg, name)
@@ -43,7 +41,7 @@ def encode(msg: Message) -> list[Buffer]:
         )
         arr = np.ascontiguousarray(arr)
         specs.append([name, dtype, list(arr.shape)])
-        frames.append(memoryview(arr).cast("B"))
+        frames.append(arr.data.cast("B"))
     header = msgpack.packb({"v": PROTOCOL_VERSION, "t": cls.__name__, "f": scalars, "a": specs}, use_bin_type=True)
     return [header, *frames]
 
@@ -61,15 +59,11 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
     return lambda v: type(v) is hint
 
 
-@cache
-def _array_specs(cls: type[Message]) -> dict[str, tuple[np.dtype, int]]:
-    """name -> (little-endian dtype, ndim); np.dtype construction is too slow to repeat per message."""
-    return {name: (np.dtype(dtype).newbyteorder("<"), ndim) for name, (dtype, ndim) in cls.ARRAYS.items()}
-
-
-@cache
-def _field_checkers(cls: type[Message]) -> tuple[tuple[str, Any, Callable[[Any], bool]], ...]:
-    return tuple((name, hint, _checker(hint)) for name, hint in _scalar_fields(cls).items())
+# Per message type, computed once at import (decode is on the hot path):
+_SCALARS = {cls: _scalar_fields_of(cls) for cls in MESSAGE_TYPES.values()}
+_CHECKERS = {cls: tuple((name, hint, _checker(hint)) for name, hint in fields.items()) for cls, fields in _SCALARS.items()}
+# name -> (little-endian dtype, ndim); np.dtype construction is too slow to repeat per message
+_ARRAYS = {cls: {n: (np.dtype(d).newbyteorder("<"), nd) for n, (d, nd) in cls.ARRAYS.items()} for cls in MESSAGE_TYPES.values()}
 
 
 def _nbytes(frame: Any) -> int:
@@ -103,10 +97,10 @@ def decode(frames: Sequence[Any], max_frame_bytes: int = 64 << 20) -> Message:
         raise ProtocolError(f"{name}: header needs a field map 'f' and an array list 'a'")
 
     kwargs: dict[str, Any] = {}
-    expected = _scalar_fields(cls)
+    expected = _SCALARS[cls]
     for key in fields.keys() - expected.keys():
         raise ProtocolError(f"{name}.{key}: unknown field")
-    for key, hint, ok in _field_checkers(cls):
+    for key, hint, ok in _CHECKERS[cls]:
         if key not in fields:
             raise ProtocolError(f"{name}.{key}: missing field")
         value = fields[key]
@@ -116,7 +110,7 @@ def decode(frames: Sequence[Any], max_frame_bytes: int = 64 << 20) -> Message:
 
     if len(specs) != len(cls.ARRAYS) or len(bufs) != 1 + len(cls.ARRAYS):
         raise ProtocolError(f"{name}: expected {len(cls.ARRAYS)} array frames, header lists {len(specs)}, got {len(bufs) - 1}")
-    arrays = _array_specs(cls)
+    arrays = _ARRAYS[cls]
     for spec, buf, size in zip(specs, bufs[1:], sizes[1:], strict=True):
         if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)):
             raise ProtocolError(f"{name}: malformed array spec {spec!r}")

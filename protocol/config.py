@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -153,7 +154,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for key, value in data.items():
         typ = hints[key]
         if dataclasses.is_dataclass(typ):
-            kwargs[key] = _build(typ, value, f"{prefix}{key}.")
+            kwargs[key] = _build(typing.cast(type, typ), value, f"{prefix}{key}.")
         else:
             kwargs[key] = _coerce(prefix + key, typ, value)
     return cls(**kwargs)

@@ -17,6 +17,7 @@ raises; the caller must treat the whole group as broken and form a new epoch.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -71,12 +72,13 @@ def open_group(
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    opts = dist.ProcessGroupGloo._Options()
+        return typing.cast(dist.ProcessGroup, dist.ProcessGroupNCCL(prefixed, rank, world_size, opts))
+    # _Options is private torch API, but the only way to bind gloo to one address without env vars.
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
     # Bind gloo's transport to the given address only, not to whatever the hostname resolves to.
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+    return typing.cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefixed, rank, world_size, opts))
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:

@@ -104,9 +104,11 @@ class Hub:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.cond:
             while True:
-                for item in [i for i in self.buffer if not st.admissible(self.version, i.group.version_min, self.max_staleness)]:
-                    self.buffer.remove(item)
-                    self._drop_stale(item)
+                stale = [i for i in self.buffer if not st.admissible(self.version, i.group.version_min, self.max_staleness)]
+                if stale:
+                    self.buffer = deque(i for i in self.buffer if st.admissible(self.version, i.group.version_min, self.max_staleness))
+                    for item in stale:
+                        self._drop_stale(item)
                 if len(self.buffer) >= n:
                     # Oldest versions first (stable in arrival order): they are the ones that would
                     # expire at the next update. Arrival order alone drops late, older groups.

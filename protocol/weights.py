@@ -128,7 +128,7 @@ def receive_buckets(
     buckets = plan_buckets(shapes, itemsize, bucket_bytes)
     numels = bucket_numels(shapes, buckets)
     if buffer is None or buffer.dtype != dtype or buffer.numel() < max(numels, default=0):
-        buffer = torch.empty(landing_numel(shapes, dtype, bucket_bytes), dtype=dtype)
+        buffer = torch.empty(max(numels, default=0), dtype=dtype)
     for bucket, numel in zip(buckets, numels, strict=True):
         flat = buffer[:numel]
         broadcast(group, flat)

@@ -79,7 +79,7 @@ class Trainer:
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=deepspeed_config(cfg, self.micro_batches))
-        self.advantage = ADVANTAGES[cfg.train.advantage]
+        self.advantage = ADVANTAGES[cfg.algo.advantage]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.engine.module.named_parameters())
@@ -104,7 +104,7 @@ class Trainer:
             mb = make_micro_batch(chunk, version)
             logits = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
             logp = token_logprobs(logits, mb, self.cfg.rollout.temperature)
-            out = ppo_clip_loss(logp, mb.behaviour_logp, mb.token_adv, self.cfg.train.clip_eps, self.cfg.train.tis_cap, total_tokens)
+            out = ppo_clip_loss(logp, mb.behaviour_logp, mb.token_adv, self.cfg.algo.clip_low, self.cfg.algo.tis_cap, total_tokens)
             self.engine.backward(out.loss, scale_wrt_gas=False)
             self.engine.step()
             loss_sum += out.loss.item()

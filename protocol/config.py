@@ -32,8 +32,12 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    task: str = "addition"  # built-in prompt set ("addition"), or "jsonl" with `path`
-    path: str = ""  # JSONL file with {"prompt": str, "answer": str} lines when task = "jsonl"
+    task: str = "addition"  # built-in prompt set ("addition"), or "file" with `path`
+    path: str = ""  # .jsonl or .parquet prompt set with prompt/answer columns when task = "file"
+    prompt_key: str = "prompt"  # column (JSONL key) holding the prompt text
+    answer_key: str = "answer"  # column (JSONL key) holding the reference answer
+    val_fraction: float = 0.0  # share of the prompt set held out for validation (never trained on)
+    test_path: str = ""  # separate .jsonl/.parquet test set, evaluated like the validation split
     epochs: int = 1000  # passes over the prompt set (the run stops at train.total_steps first)
 
 
@@ -48,18 +52,66 @@ class RolloutConfig:
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     prompts_per_step: int = 16  # prompts (groups) consumed by one optimizer step
-    total_steps: int = 100  # optimizer steps in the run
+    total_steps: int = 100  # rollout batches (updates) in the run; total_episodes overrides it
+    total_episodes: int = 0  # run length in samples (prompts x samples_per_prompt); 0 = use total_steps
+    mini_batches: int = 1  # optimizer steps per rollout batch and PPO epoch (the batch split evenly)
+    ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 5e-4  # AdamW peak learning rate
     warmup_steps: int = 10  # linear LR warmup; Adam's first steps are sign-like and jolt a small policy
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # global gradient-norm clip
-    clip_eps: float = 0.2  # PPO ratio clip: ratio kept within [1 - eps, 1 + eps]
-    tis_cap: float = 2.0  # truncated importance weight cap for stale samples (0 disables)
-    advantage: str = "grpo"  # advantage estimator: grpo (group mean/std) | dr_grpo (group mean only)
     zero_stage: int = 2  # DeepSpeed ZeRO stage (0, 1, 2 or 3)
-    micro_batch_samples: int = 64  # samples per forward/backward (gradient accumulation beyond)
+    micro_batch_samples: int = 64  # samples per forward/backward per data-parallel rank (accumulation beyond)
+    packing: bool = True  # pack a micro-batch's samples into one row (no padding) instead of padding them
+    sequence_parallel_size: int = 1  # learner ranks that share one packed sequence (ring attention)
     threads: int = 1  # torch intra-op threads in the learner process
     cpu_affinity: str = ""  # CPU ids the learner may run on, e.g. "0" or "0-3" ("" = all)
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgoConfig:
+    advantage: str = "grpo"  # grpo (group mean/std) | dr_grpo (group mean only) | gae (critic + GAE, i.e. PPO)
+    gamma: float = 1.0  # GAE discount (advantage = gae only)
+    lam: float = 1.0  # GAE lambda (advantage = gae only); 1.0 with gamma 1.0 is Open-Reasoner-Zero's setting
+    clip_low: float = 0.2  # ratio floor 1 - clip_low
+    clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO's clip-higher raises it)
+    correction: str = "tis"  # off-policy correction for stale samples: none | tis | decoupled
+    tis_cap: float = 2.0  # cap C of the truncated importance weight (tis, decoupled)
+    kl_coef: float = 0.0  # weight of the KL penalty to the frozen reference model (0 = no reference model)
+    kl_estimator: str = "k3"  # k1 (log ratio) | k3 (unbiased, non-negative)
+    entropy_coef: float = 0.0  # entropy bonus weight
+    filter_equal_rewards: bool = False  # drop groups whose rewards are all equal (no GRPO signal)
+    value_clip: float = 0.2  # critic: clip of the value update around the old values
+    critic_lr: float = 5e-6  # critic's AdamW learning rate
+    critic_path: str = ""  # critic init (HF folder); "" = the policy model's weights with a fresh value head
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    """Where the run's processes go; `fleetrl plan` prints it. On CPU a "GPU" is one process."""
+
+    learner_nodes: int = 1  # nodes of the learner group
+    learner_gpus_per_node: int = 1  # learner ranks per node
+    actor_nodes: int = 1  # nodes running actors
+    actor_gpus_per_node: int = 1  # inference GPUs per actor node
+    tensor_parallel_size: int = 1  # GPUs per vLLM engine (one actor process per engine)
+    colocate: bool = True  # policy, critic and reference share the learner's GPUs
+    debug_gpus: int = 0  # fit the recipe onto this many learner GPUs for a debug run (0 = off)
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    every_steps: int = 0  # evaluate the validation and test sets every N updates (0 = never)
+    greedy: bool = True  # greedy decoding for evaluation; false = sample like training
+    samples: int = 1  # completions per eval prompt when sampling
+    max_prompts: int = 0  # evaluate at most this many prompts per set (0 = all)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every_steps: int = 0  # write a Hugging Face checkpoint every N updates (0 = only at the end)
+    keep: int = 3  # newest checkpoints kept on disk (the best one is always kept)
+    best_metric: str = "eval/val/reward_mean"  # metric that picks the best checkpoint (higher is better)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -110,6 +162,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
@@ -178,8 +234,9 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{name}: {why}")
 
     need(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16")
-    need(cfg.data.task in ("addition", "jsonl"), "data.task", "must be 'addition' or 'jsonl'")
-    need(cfg.data.task != "jsonl" or bool(cfg.data.path), "data.path", "required when data.task = 'jsonl'")
+    need(cfg.data.task in ("addition", "file"), "data.task", "must be 'addition' or 'file'")
+    need(cfg.data.task != "file" or bool(cfg.data.path), "data.path", "required when data.task = 'file'")
+    need(0 <= cfg.data.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
     need(cfg.data.epochs >= 1, "data.epochs", "must be >= 1")
     need(cfg.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt", "GRPO needs >= 2 per group")
     need(cfg.rollout.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
@@ -189,11 +246,32 @@ def _check(cfg: Config) -> None:
     need(cfg.train.total_steps >= 1, "train.total_steps", "must be >= 1")
     need(cfg.train.lr > 0, "train.lr", "must be > 0")
     need(cfg.train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-    need(0 < cfg.train.clip_eps < 1, "train.clip_eps", "must be in (0, 1)")
-    need(cfg.train.tis_cap >= 0, "train.tis_cap", "must be >= 0 (0 disables)")
-    need(cfg.train.advantage in ("grpo", "dr_grpo"), "train.advantage", "must be grpo or dr_grpo")
+    need(cfg.train.total_episodes >= 0, "train.total_episodes", "must be >= 0 (0 = use train.total_steps)")
+    need(cfg.train.mini_batches >= 1, "train.mini_batches", "must be >= 1")
+    need(cfg.train.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
     need(cfg.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3")
     need(cfg.train.micro_batch_samples >= 1, "train.micro_batch_samples", "must be >= 1")
+    need(cfg.train.sequence_parallel_size >= 1, "train.sequence_parallel_size", "must be >= 1")
+    need(cfg.algo.advantage in ("grpo", "dr_grpo", "gae"), "algo.advantage", "must be grpo, dr_grpo or gae")
+    need(0 <= cfg.algo.gamma <= 1, "algo.gamma", "must be in [0, 1]")
+    need(0 <= cfg.algo.lam <= 1, "algo.lam", "must be in [0, 1]")
+    need(0 < cfg.algo.clip_low < 1, "algo.clip_low", "must be in (0, 1)")
+    need(cfg.algo.clip_high > 0, "algo.clip_high", "must be > 0")
+    need(cfg.algo.correction in ("none", "tis", "decoupled"), "algo.correction", "must be none, tis or decoupled")
+    need(cfg.algo.tis_cap >= 1, "algo.tis_cap", "must be >= 1 (a cap below 1 would shrink on-policy weights)")
+    need(cfg.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+    need(cfg.algo.kl_estimator in ("k1", "k3"), "algo.kl_estimator", "must be k1 or k3")
+    need(cfg.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0")
+    need(cfg.algo.value_clip > 0, "algo.value_clip", "must be > 0")
+    need(cfg.algo.critic_lr > 0, "algo.critic_lr", "must be > 0")
+    for name in ("learner_nodes", "learner_gpus_per_node", "actor_nodes", "actor_gpus_per_node", "tensor_parallel_size"):
+        need(getattr(cfg.cluster, name) >= 1, f"cluster.{name}", "must be >= 1")
+    need(cfg.cluster.debug_gpus >= 0, "cluster.debug_gpus", "must be >= 0 (0 = off)")
+    need(cfg.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 = never)")
+    need(cfg.eval.samples >= 1, "eval.samples", "must be >= 1")
+    need(cfg.eval.max_prompts >= 0, "eval.max_prompts", "must be >= 0 (0 = all)")
+    need(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
+    need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
     need(cfg.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0")
     need(cfg.staleness.lease_s > 0, "staleness.lease_s", "must be > 0")
     need(cfg.hub.bind.startswith("tcp://"), "hub.bind", "must be tcp://HOST:PORT")

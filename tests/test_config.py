@@ -26,7 +26,7 @@ def test_overrides_parse_types():
         ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt"),
         ("hub.bind=localhost:5", "hub.bind"),
         ("train.zero_stage=4", "train.zero_stage"),
-        ("train.advantage=ppo", "train.advantage"),
+        ("algo.advantage=ppo", "algo.advantage"),
         ("model.dtype=int8", "model.dtype"),
         ("actor.max_model_len=2", "actor.max_model_len"),
         ("train.cpu_affinity=zero", "train.cpu_affinity"),

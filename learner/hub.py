@@ -68,6 +68,7 @@ class Hub:
         self.version = 0
         self.training = False
         self.max_staleness = cfg.staleness.max_staleness
+        self.steps = cfg.train.mini_batches * cfg.train.ppo_epochs  # optimizer steps (versions) per update
         self.counters: Counter[str] = Counter()
         self.stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -104,9 +105,9 @@ class Hub:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.cond:
             while True:
-                stale = [i for i in self.buffer if not st.admissible(self.version, i.group.version_min, self.max_staleness)]
+                stale = [i for i in self.buffer if not st.admissible(self.version, i.group.version_min, self.max_staleness, self.steps)]
                 if stale:
-                    self.buffer = deque(i for i in self.buffer if st.admissible(self.version, i.group.version_min, self.max_staleness))
+                    self.buffer = deque(i for i in self.buffer if st.admissible(self.version, i.group.version_min, self.max_staleness, self.steps))
                     for item in stale:
                         self._drop_stale(item)
                 if len(self.buffer) >= n:
@@ -140,7 +141,8 @@ class Hub:
         self._kick()
 
     def set_max_staleness(self, k: int) -> None:
-        assert k >= 0
+        if k < self.steps - 1:
+            raise ValueError(f"max_staleness: {k} < {self.steps} optimizer steps per update - 1; even fresh samples would break it")
         with self.cond:
             old, self.max_staleness = self.max_staleness, k
         self.log.info("hub.max_staleness_changed", old=old, new=k)
@@ -301,7 +303,7 @@ class Hub:
                 if self.ledger.receive(key):
                     state.groups += 1
                     item = Accepted(key, msg, time.monotonic())
-                    if st.admissible(self.version, msg.version_min, self.max_staleness):
+                    if st.admissible(self.version, msg.version_min, self.max_staleness, self.steps):
                         self.buffer.append(item)
                         self.cond.notify_all()
                     else:  # already too stale on arrival: versions only grow, it can never be used
@@ -335,7 +337,7 @@ class Hub:
         """Grant prompts to actors with demand, as far as admission control allows."""
         sends: list[tuple[bytes, m.WorkGrant]] = []
         with self.cond:
-            capacity = st.admission_capacity(self.version, self.training, self.max_staleness, self.cfg.train.prompts_per_step, self._outstanding())
+            capacity = st.admission_capacity(self.version, self.training, self.max_staleness, self.cfg.train.prompts_per_step, self._outstanding(), self.steps)
             min_version = st.min_grant_version(self.version)
             deadline = time.monotonic() + self.cfg.staleness.lease_s
             # Fairness: least-loaded actors first.

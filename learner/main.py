@@ -1,22 +1,30 @@
-"""`fleetrl learner`: the learner process (rank 0 also runs the hub).
+"""`fleetrl learner`: one learner rank (rank 0 also runs the hub, the weight sender and the metrics).
 
-    loop:  take a batch of admissible groups (blocks)  ->  update (DeepSpeed)  ->  version += 1
-           ->  ledger: trained; grants resume  ->  broadcast weights to the actors  ->  metrics
+    rank 0:  take a batch of admissible groups (blocks) -> advantages -> scatter shares -+
+    ranks 1..N-1:                                          receive their share <---------+
+    every rank:  update (S optimizer steps, DeepSpeed)  ->  weight snapshot (collective under ZeRO-3)
+    rank 0:  version += S -> ledger: trained; grants resume -> broadcast weights to the actors -> metrics
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from learner.data import load_prompts
+from learner.distributed import Topology, init_distributed, make_topology
 from learner.hub import Hub
 from learner.metrics import MetricsWriter
+from learner.shard import Share, scatter_shares
+from learner.trainer import StepLayout, Trainer, make_shares
 from learner.weight_sync import WeightSender
+from protocol import weights as wg
 from protocol.config import Config, dump_toml, parse_cpus
 from protocol.logs import set_context, setup_logging
 from protocol.net import pin_cpus
@@ -36,76 +44,116 @@ def wait_for_batch(hub: Hub, n: int, stop: dict, log, report_s: float = 30.0):
     return None
 
 
+def step_layout(cfg: Config, dp_size: int) -> StepLayout:
+    per_rank = cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.train.mini_batches // dp_size
+    return StepLayout(mini_batches=cfg.train.mini_batches, ppo_epochs=cfg.train.ppo_epochs, micro_samples=cfg.train.micro_batch_samples,
+                      accumulation=math.ceil(per_rank / cfg.train.micro_batch_samples))
+
+
 def run_learner(cfg: Config) -> int:
+    """Every learner rank runs this; rank 0 also runs the hub, the weight sender and the metrics."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    init_distributed()
+    topo = make_topology(cfg.train.sequence_parallel_size)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_toml(cfg))
-    log = setup_logging("learner", run_dir / "logs" / "learner.jsonl", policy_version=0)
+    log_name = "learner.jsonl" if topo.is_root else f"learner-rank{topo.rank}.jsonl"
+    log = setup_logging("learner", run_dir / "logs" / log_name, policy_version=0, rank=topo.rank)
     if not cfg.model.path:
         raise ValueError("model.path: empty; point it at a Hugging Face model folder (`fleetrl demo` builds one)")
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     pin_cpus(parse_cpus(cfg.train.cpu_affinity, "train.cpu_affinity"))
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.run.seed)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from learner.trainer import Trainer, init_distributed
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+    layout = step_layout(cfg, topo.dp_size)
+    trainer = Trainer(cfg, model, topo, layout)
+    if topo.is_root:
+        (run_dir / "config.toml").write_text(dump_toml(cfg))
+        return _run_root(cfg, topo, trainer, run_dir, log)
+    return _run_follower(cfg, topo, trainer, log)
 
-    init_distributed()
-    if torch.distributed.get_world_size() != 1:
-        raise ValueError("the learner runs as one process for now; multi-rank data/sequence parallelism is issue #3")
+
+def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
+    """Ranks 1..N-1: train the share rank 0 hands out, join the weight snapshot, until told to stop."""
+    buckets = wg.plan_buckets(trainer.full_shapes(), wg.DTYPES[cfg.model.dtype].itemsize, cfg.weights.bucket_mb << 20)
+    updates = 0
+    while True:
+        share = scatter_shares(topo, None)
+        if share.stop:
+            break
+        trainer.update(share)
+        set_context(policy_version=share.version + trainer.layout.steps)
+        trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)
+        updates += 1
+    log.info("learner.done", rank=topo.rank, updates=updates)
+    return 0
+
+
+def _run_root(cfg: Config, topo: Topology, trainer: Trainer, run_dir: Path, log) -> int:
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = load_prompts(cfg.data, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-    trainer = Trainer(cfg, model)
     hub = Hub(cfg, prompts)
     hub.start()
-    sender = WeightSender(cfg.weights, trainer.named_parameters(), cfg.model.dtype)
+    sender = WeightSender(cfg.weights, [n for n, _ in trainer.named_parameters()], trainer.full_shapes(), cfg.model.dtype)
     metrics = MetricsWriter(run_dir)
-    log.info("learner.ready", prompts=len(prompts), params=sum(p.numel() for p in model.parameters()), hub=cfg.hub.bind, weight_port=sender.port)
+    params = sum(int(np.prod(s)) for s in trainer.full_shapes())
+    log.info("learner.ready", prompts=len(prompts), params=params, ranks=topo.world, dp=topo.dp_size, sp=topo.sp_size,
+             steps_per_update=trainer.layout.steps, hub=cfg.hub.bind, weight_port=sender.port)
 
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     t_start = time.perf_counter()
-    version = 0
+    version, updates = 0, 0
+    steps = trainer.layout.steps
     try:
-        while version < cfg.train.total_steps and not stop["flag"]:
+        while updates < cfg.train.total_steps and not stop["flag"]:
             t0 = time.perf_counter()
             batch = wait_for_batch(hub, cfg.train.prompts_per_step, stop, log)
             if batch is None:
                 break
             t_wait = time.perf_counter() - t0
             k = hub.max_staleness
+            groups = [item.group for item in batch]
             try:
-                stats = trainer.update(batch, version, k)
+                shares, advantages = make_shares(cfg, groups, version, k, topo.dp_size)
+                stats = trainer.update(scatter_shares(topo, shares))
             except Exception:
                 hub.abort_update(batch)
                 raise
             t_train = time.perf_counter() - t0 - t_wait
-            version += 1
+            version += steps
+            updates += 1
             set_context(policy_version=version)
             hub.finish_update(version, [item.key for item in batch])
-            sync = sender.sync(version, hub)
+            sync = sender.sync(version, hub, lambda out: trainer.snapshot(sender.buckets, sender.torch_dtype, out))
             step_s = time.perf_counter() - t0
+            stale = [version - steps - g.version_min for g in groups]
+            reward_mean = float(np.mean([g.rewards.mean() for g in groups]))
             row = {
-                "step": version, "policy_version": version, "reward_mean": stats.reward_mean, "samples": stats.samples,
-                "staleness_max": stats.staleness_max, "staleness_mean": stats.staleness_mean,
+                "step": updates, "policy_version": version, "reward_mean": reward_mean, "samples": stats.samples,
+                "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
                 "logprob_mismatch": stats.logprob_mismatch, "on_policy_tokens": stats.on_policy_tokens,
                 "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
                 "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
-                "grad_norm": stats.grad_norm, "adv_abs_mean": stats.adv_abs_mean, "max_staleness": k,
+                "grad_norm": stats.grad_norm, "adv_abs_mean": float(advantages.abs().mean()), "max_staleness": k,
                 "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(),
             }
             metrics.write(row)
-            log.info("learner.step", step=version, reward=round(stats.reward_mean, 3), staleness_max=stats.staleness_max,
+            log.info("learner.step", step=updates, version=version, reward=round(reward_mean, 3), staleness_max=max(stale),
                      mismatch=None if stats.on_policy_tokens == 0 else float(f"{stats.logprob_mismatch:.2e}"),
                      wait_s=round(t_wait, 2), train_s=round(t_train, 2), sync_s=round(sync["time/weight_sync"], 3), broadcast_s=round(sync.get("time/broadcast", 0.0), 3))
     finally:
+        if topo.world > 1:
+            scatter_shares(topo, [Share(samples=[], mini_batch_tokens=[], stop=True)] * topo.dp_size)
         sender.wait()
-        hub.stop("run finished" if version >= cfg.train.total_steps else "learner stopping")
+        hub.stop("run finished" if updates >= cfg.train.total_steps else "learner stopping")
         metrics.close()
         plot = metrics.plot()
         hub.ledger.check()
-        log.info("learner.done", steps=version, wall_s=round(time.perf_counter() - t_start, 1), plot=str(plot), ledger=hub.ledger.state_counts())
+        log.info("learner.done", updates=updates, version=version, wall_s=round(time.perf_counter() - t_start, 1), plot=str(plot), ledger=hub.ledger.state_counts())
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,13 +24,14 @@ from protocol import weights as wg
 from protocol.config import WeightsConfig
 from protocol.logs import get_logger
 
+Snapshot = Callable[[list[torch.Tensor] | None], list[torch.Tensor] | None]
+
 
 class WeightSender:
-    def __init__(self, cfg: WeightsConfig, named_params: list[tuple[str, torch.nn.Parameter]], dtype: str):
+    def __init__(self, cfg: WeightsConfig, names: list[str], shapes: list[list[int]], dtype: str):
         self.cfg = cfg
-        self.params = named_params
-        self.names = [n for n, _ in named_params]
-        self.shapes = [list(p.shape) for _, p in named_params]
+        self.names = names
+        self.shapes = shapes  # full (unsharded) shapes
         self.dtype = dtype
         self.torch_dtype = wg.DTYPES[dtype]
         self.bucket_bytes = cfg.bucket_mb << 20
@@ -47,8 +49,12 @@ class WeightSender:
         self._flats: list[torch.Tensor] | None = None
         self.log = get_logger()
 
-    def sync(self, version: int, hub: Hub) -> dict[str, float]:
+    def sync(self, version: int, hub: Hub, snapshot: Snapshot) -> dict[str, float]:
         """Start sending `version` to every live actor; returns how long the learner was held up.
+
+        `snapshot(out)` copies the weights into one flat tensor per bucket of `self.buckets`
+        (reusing `out`). It is collective under ZeRO-3 (every learner rank joins the gathers),
+        so it runs on every sync, with or without members.
 
         The broadcast runs in a background thread on a snapshot of the parameters, so the
         next update overlaps it. That is safe for any max_staleness: the hub grants work
@@ -57,6 +63,9 @@ class WeightSender:
         """
         t0 = time.perf_counter()
         out = self.wait()
+        # Reused across syncs; safe because wait() above finished the broadcast that read them.
+        self._flats = flats = snapshot(self._flats)
+        assert flats is not None
         members = hub.live_actors()
         if not members:
             out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": 0.0})
@@ -73,8 +82,6 @@ class WeightSender:
                 rank=rank, world_size=world, timeout_s=self.cfg.timeout_s, names=self.names,
                 shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
 
-        # Reused across syncs; safe because wait() above finished the broadcast that read them.
-        self._flats = flats = wg.flatten_buckets([p for _, p in self.params], self.buckets, self.torch_dtype, self._flats)
         hub.send_weight_sync(members, make)
         self._thread = threading.Thread(target=self._broadcast, args=(flats, epoch, world), name="fleetrl-weights", daemon=True)
         self._thread.start()

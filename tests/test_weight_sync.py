@@ -14,6 +14,7 @@ import torch
 
 from learner.batch import Sample, make_micro_batch, token_logprobs
 from learner.weight_sync import WeightSender
+from protocol import weights as wg
 from protocol.config import load_config
 
 pytestmark = pytest.mark.engine
@@ -76,8 +77,10 @@ async def _make_engine(cls, cfg):
     return cls(cfg)
 
 
-def _sync(cfg, engine, sender, hub, version, loop):
-    sender.sync(version, hub)  # sends WeightSync and returns; the broadcast runs in the background
+def _sync(cfg, engine, sender, hub, version, loop, model):
+    params = [p for _, p in model.named_parameters()]
+    snapshot = lambda out: wg.flatten_buckets(params, sender.buckets, sender.torch_dtype, out)  # noqa: E731
+    sender.sync(version, hub, snapshot)  # sends WeightSync and returns; the broadcast runs in the background
     msg = hub.sent.pop()
     info = loop.run_until_complete(engine.apply_weights(msg))
     done = sender.wait()
@@ -97,10 +100,11 @@ def test_logprobs_match_after_sync(setup):
     stale = max_mismatch(engine, model, prompt, cfg.rollout.temperature)
     assert stale > 0.1, "the perturbation must be visible before the sync, or the test proves nothing"
 
-    sender = WeightSender(cfg.weights, list(model.named_parameters()), "float32")
+    names, shapes = zip(*[(n, list(p.shape)) for n, p in model.named_parameters()], strict=True)
+    sender = WeightSender(cfg.weights, list(names), list(shapes), "float32")
     assert len(sender.buckets) > 1  # weights.bucket_mb=1: this model spans several buckets
     hub = DirectHub(["engine"])
-    msg, info = _sync(cfg, engine, sender, hub, 1, loop)
+    msg, info = _sync(cfg, engine, sender, hub, 1, loop, model)
     assert msg.group_epoch == 1 and info["repacked"] > 0
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4
 
@@ -109,6 +113,6 @@ def test_logprobs_match_after_sync(setup):
         for p in model.parameters():
             p.mul_(0.9)
     hub.members = ["engine-renamed"]
-    msg, _ = _sync(cfg, engine, sender, hub, 2, loop)
+    msg, _ = _sync(cfg, engine, sender, hub, 2, loop, model)
     assert msg.group_epoch == 2
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4

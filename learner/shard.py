@@ -1,0 +1,135 @@
+"""Rank 0 hands each data-parallel rank its share of a rollout batch, as one flat byte buffer.
+
+A share is the rank's samples for every mini-batch of the update, in order (mini-batch 0's
+samples first), plus each mini-batch's token count over ALL ranks, which the token-level
+loss divides by. Advantages that need a whole group (GRPO) are computed on rank 0 before
+the split, so a group may span ranks.
+
+Layout of the buffer (little endian):
+    int64 header [samples, mini_batches, total token ids, completion tokens, version, max_staleness]
+                                                                                   (samples = -1: stop)
+    int64  mini_batch_tokens [mini_batches]
+    int32  lengths [samples], prompt_lens [samples], versions [samples, 2]
+    float32 advantages [samples], rewards [samples]
+    int32  tokens [total token ids]      float32 behaviour_logprobs [completion tokens]
+
+Everything crosses as two collectives per update: scatter of the sizes, then of the
+buffers padded to the largest. Both work on gloo (CPU) and NCCL (CUDA tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from learner.batch import Sample
+from learner.distributed import Topology
+
+
+@dataclass(kw_only=True, slots=True)
+class Share:
+    samples: list[Sample]
+    mini_batch_tokens: list[int]  # completion tokens of each mini-batch summed over all DP ranks
+    version: int = 0  # the policy version the update starts from
+    max_staleness: int = 0  # the bound in force for this update (it can change during a run)
+    stop: bool = False  # rank 0 is ending the run: no update follows
+
+
+def encode_share(share: Share) -> np.ndarray:
+    if share.stop:
+        return np.array([-1, 0, 0, 0, 0, 0], dtype=np.int64).view(np.uint8)
+    s = share.samples
+    tokens = np.concatenate([x.tokens for x in s]).astype(np.int32) if s else np.zeros(0, np.int32)
+    behaviour = np.concatenate([x.behaviour_logprobs for x in s]).astype(np.float32) if s else np.zeros(0, np.float32)
+    parts = [
+        np.array([len(s), len(share.mini_batch_tokens), tokens.size, behaviour.size, share.version, share.max_staleness], dtype=np.int64),
+        np.asarray(share.mini_batch_tokens, dtype=np.int64),
+        np.array([len(x.tokens) for x in s], dtype=np.int32),
+        np.array([x.prompt_len for x in s], dtype=np.int32),
+        np.array([[x.version_min, x.version_max] for x in s], dtype=np.int32).reshape(-1),
+        np.array([x.advantage for x in s], dtype=np.float32),
+        np.array([x.reward for x in s], dtype=np.float32),
+        tokens,
+        behaviour,
+    ]
+    return np.concatenate([p.view(np.uint8) for p in parts])
+
+
+def decode_share(buf: np.ndarray) -> Share:
+    header = buf[:48].view(np.int64)
+    n, mbs, ntok, ncomp, version, k = (int(x) for x in header)
+    if n < 0:
+        return Share(samples=[], mini_batch_tokens=[], stop=True)
+    offset = 48
+
+    def take(dtype: type, count: int) -> np.ndarray:
+        nonlocal offset
+        size = np.dtype(dtype).itemsize * count
+        out = buf[offset : offset + size].view(dtype)
+        offset += size
+        return out
+
+    mb_tokens = take(np.int64, mbs)
+    lengths, prompt_lens = take(np.int32, n), take(np.int32, n)
+    versions = take(np.int32, 2 * n).reshape(n, 2)
+    advantages, rewards = take(np.float32, n), take(np.float32, n)
+    tokens, behaviour = take(np.int32, ntok), take(np.float32, ncomp)
+    assert offset == buf.size, f"share buffer has {buf.size} bytes, layout needs {offset}"
+    samples, t, c = [], 0, 0
+    for i in range(n):
+        length, plen = int(lengths[i]), int(prompt_lens[i])
+        samples.append(Sample(
+            tokens=tokens[t : t + length], prompt_len=plen, behaviour_logprobs=behaviour[c : c + length - plen],
+            advantage=float(advantages[i]), reward=float(rewards[i]),
+            version_min=int(versions[i, 0]), version_max=int(versions[i, 1])))
+        t, c = t + length, c + length - plen
+    return Share(samples=samples, mini_batch_tokens=[int(x) for x in mb_tokens], version=version, max_staleness=k)
+
+
+def scatter_shares(topo: Topology, shares: list[Share] | None) -> Share:
+    """Collective. Rank 0 passes one Share per DP rank; every rank gets its DP rank's share."""
+    if topo.world == 1:
+        assert shares is not None and len(shares) == 1
+        return shares[0]
+    dev = topo.device
+    if topo.is_root:
+        assert shares is not None and len(shares) == topo.dp_size, f"{len(shares or [])} shares for {topo.dp_size} DP ranks"
+        bufs = [encode_share(shares[r // topo.sp_size]) for r in range(topo.world)]  # SP peers get the same share
+        sizes = [torch.tensor([b.size], dtype=torch.int64, device=dev) for b in bufs]
+    size = torch.zeros(1, dtype=torch.int64, device=dev)
+    dist.scatter(size, sizes if topo.is_root else None, src=0)
+    if topo.is_root:
+        longest = max(b.size for b in bufs)
+        padded = []
+        for b in bufs:
+            t = torch.zeros(longest, dtype=torch.uint8)
+            t[: b.size] = torch.from_numpy(b)
+            padded.append(t.to(dev))
+        longest_t = torch.tensor([longest], dtype=torch.int64, device=dev)
+    else:
+        longest_t = torch.zeros(1, dtype=torch.int64, device=dev)
+    dist.broadcast(longest_t, src=0)
+    out = torch.empty(int(longest_t.item()), dtype=torch.uint8, device=dev)
+    dist.scatter(out, padded if topo.is_root else None, src=0)
+    return decode_share(out[: int(size.item())].cpu().numpy())
+
+
+def split_rollout_batch(samples: list[Sample], mini_batches: int, dp_size: int, seed: int, version: int, max_staleness: int) -> list[Share]:
+    """Shuffle (seeded) and cut into `mini_batches` x `dp_size` equal parts; rank d gets part (j, d) of each mini-batch j.
+
+    The batch arithmetic was checked at start (learner/plan.py), so every cut is whole.
+    """
+    order = np.random.default_rng(seed).permutation(len(samples)) if mini_batches > 1 else np.arange(len(samples))
+    per_mb = len(samples) // mini_batches
+    per_rank = per_mb // dp_size
+    assert per_rank * dp_size * mini_batches == len(samples), f"{len(samples)} samples do not split into {mini_batches} x {dp_size}"
+    shuffled = [samples[i] for i in order]
+    mb_tokens = [sum(len(s.tokens) - s.prompt_len for s in shuffled[j * per_mb : (j + 1) * per_mb]) for j in range(mini_batches)]
+    return [
+        Share(samples=[s for j in range(mini_batches) for s in shuffled[j * per_mb + d * per_rank : j * per_mb + (d + 1) * per_rank]],
+              mini_batch_tokens=mb_tokens, version=version, max_staleness=max_staleness)
+        for d in range(dp_size)
+    ]

@@ -1,0 +1,74 @@
+"""Run a few learner updates on fixed synthetic rollout groups, through the real multi-rank path.
+
+    python -m torch.distributed.run --nproc-per-node N tests/drivers/train_steps.py MODEL_DIR OUT.json [section.field=value ...]
+
+Rank 0 builds the same seeded groups whatever the world size, advantages it, cuts the shares
+and scatters them (learner/shard.py); every rank trains its share (learner/trainer.py) and joins
+the weight snapshot. Rank 0 writes the loss of every update and a checksum of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from learner.distributed import init_distributed, make_topology  # noqa: E402
+from learner.main import step_layout  # noqa: E402
+from learner.shard import scatter_shares  # noqa: E402
+from learner.trainer import Trainer, make_shares  # noqa: E402
+from protocol import weights as wg  # noqa: E402
+from protocol.config import load_config  # noqa: E402
+from protocol.messages import RolloutGroup  # noqa: E402
+
+
+def groups_for(update: int, version: int, cfg) -> list[RolloutGroup]:
+    rng = np.random.default_rng(1000 + update)
+    n, out = cfg.rollout.samples_per_prompt, []
+    for g in range(cfg.train.prompts_per_step):
+        lengths = rng.integers(1, 5, size=n).astype(np.int32)
+        total = int(lengths.sum())
+        out.append(RolloutGroup(
+            actor_id="driver", prompt_id=g, epoch=update, prompt_tokens=rng.integers(3, 20, size=4).astype(np.int32),
+            lengths=lengths, completion_tokens=rng.integers(3, 20, size=total).astype(np.int32),
+            behaviour_logprobs=(-2.5 - 0.1 * rng.random(total)).astype(np.float32),
+            rewards=rng.integers(0, 2, size=n).astype(np.float32), finish_reasons=["stop"] * n,
+            version_min=version, version_max=version, gen_s=0.1, reward_s=0.0))
+    return out
+
+
+def main() -> None:
+    model_dir, out_path, *overrides = sys.argv[1:]
+    cfg = load_config(None, [f"model.path={model_dir}", *overrides])
+    init_distributed()
+    topo = make_topology(cfg.train.sequence_parallel_size)
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    trainer = Trainer(cfg, model, topo, step_layout(cfg, topo.dp_size))
+    buckets = wg.plan_buckets(trainer.full_shapes(), 4, 1 << 20)
+    losses, grad_norms, version, flats = [], [], 0, None
+    for update in range(cfg.train.total_steps):
+        shares = make_shares(cfg, groups_for(update, version, cfg), version, cfg.staleness.max_staleness, topo.dp_size)[0] if topo.is_root else None
+        stats = trainer.update(scatter_shares(topo, shares))
+        flats = trainer.snapshot(buckets, torch.float32, flats)
+        version += trainer.layout.steps
+        losses.append(stats.loss)
+        grad_norms.append(stats.grad_norm)
+    if topo.is_root:
+        assert flats is not None
+        weights = torch.cat(flats)
+        Path(out_path).write_text(json.dumps({"losses": losses, "grad_norms": grad_norms, "version": version, "samples": stats.samples,
+                                              "weight_sum": float(weights.double().sum()), "weight_abs": float(weights.double().abs().sum()),
+                                              "world": topo.world}))
+
+
+if __name__ == "__main__":
+    main()

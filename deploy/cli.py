@@ -3,6 +3,7 @@
     fleetrl learner --config FILE [section.field=value ...]
     fleetrl actor   --learner tcp://HOST:PORT --config FILE [--id NAME] [section.field=value ...]
     fleetrl demo    [--config FILE] [section.field=value ...]
+    fleetrl plan    CONFIG [section.field=value ...]      placement, batch arithmetic, run length, memory; starts nothing
 """
 
 from __future__ import annotations
@@ -24,12 +25,19 @@ def main(argv: list[str] | None = None) -> int:
     p_actor.add_argument("--id", default=None, help="actor id (default: host-pid-random)")
     p_demo = sub.add_parser("demo", help="learner + actors on this machine (the embedded default run)")
     p_demo.add_argument("--config", default=None, help="TOML file (default: the built-in demo settings)")
-    for p in (p_learner, p_actor, p_demo):
+    p_plan = sub.add_parser("plan", help="print the run's plan (placement, batch arithmetic, run length, memory)")
+    p_plan.add_argument("config", help="TOML file")
+    for p in (p_learner, p_actor, p_demo, p_plan):
         p.add_argument("overrides", nargs="*", metavar="section.field=value")
     args = parser.parse_args(argv)
 
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.command == "plan":
+            from learner.plan import make_plan, render
+
+            print(render(make_plan(cfg)), end="")
+            return 0
     except ConfigError as e:
         print(f"fleetrl: config error: {e}", file=sys.stderr)
         return 2

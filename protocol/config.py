@@ -28,6 +28,7 @@ class RunConfig:
 class ModelConfig:
     path: str = ""  # Hugging Face model folder (local); the demo builds one when empty
     dtype: str = "float32"  # float32 | bfloat16; the same on learner and engines so logprobs compare
+    num_params: int = 0  # parameter count for `fleetrl plan`'s memory estimate; 0 = count from model.path's config.json
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,6 +40,7 @@ class DataConfig:
     val_fraction: float = 0.0  # share of the prompt set held out for validation (never trained on)
     test_path: str = ""  # separate .jsonl/.parquet test set, evaluated like the validation split
     epochs: int = 1000  # passes over the prompt set (the run stops at train.total_steps first)
+    num_prompts: int = 0  # size of the prompt set when the file is not at hand, for `fleetrl plan` (0 = unknown)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,6 +81,7 @@ class AlgoConfig:
     tis_cap: float = 2.0  # cap C of the truncated importance weight (tis, decoupled)
     kl_coef: float = 0.0  # weight of the KL penalty to the frozen reference model (0 = no reference model)
     kl_estimator: str = "k3"  # k1 (log ratio) | k3 (unbiased, non-negative)
+    keep_reference: bool = False  # hold the reference model even at kl_coef = 0, to report KL to it (as ORZ does)
     entropy_coef: float = 0.0  # entropy bonus weight
     filter_equal_rewards: bool = False  # drop groups whose rewards are all equal (no GRPO signal)
     value_clip: float = 0.2  # critic: clip of the value update around the old values
@@ -234,11 +237,15 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{name}: {why}")
 
     need(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16")
+    need(cfg.model.num_params >= 0, "model.num_params", "must be >= 0 (0 = count from model.path)")
     need(cfg.data.task in ("addition", "file"), "data.task", "must be 'addition' or 'file'")
     need(cfg.data.task != "file" or bool(cfg.data.path), "data.path", "required when data.task = 'file'")
     need(0 <= cfg.data.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
     need(cfg.data.epochs >= 1, "data.epochs", "must be >= 1")
-    need(cfg.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt", "GRPO needs >= 2 per group")
+    need(cfg.data.num_prompts >= 0, "data.num_prompts", "must be >= 0 (0 = unknown)")
+    # Group-normalized advantages need a group; PPO with a critic can learn from one sample per prompt (Tulu 3).
+    need(cfg.rollout.samples_per_prompt >= 2 or cfg.algo.advantage == "gae", "rollout.samples_per_prompt",
+         f"algo.advantage = {cfg.algo.advantage} needs >= 2 per group (only gae works with 1)")
     need(cfg.rollout.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(":" in cfg.rollout.reward_fn, "rollout.reward_fn", "must look like package.module:function")

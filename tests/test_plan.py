@@ -1,0 +1,262 @@
+"""`learner/plan.py` and `fleetrl plan`: every shipped recipe plans, the reference setups' numbers hold, and bad
+batch arithmetic is rejected at start with the arithmetic in the message."""
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from learner.plan import make_plan, render
+from protocol.config import ConfigError, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+RECIPES = sorted(CONFIGS.glob("*.toml"))
+
+
+def plan_of(name: str, *overrides: str):
+    return make_plan(load_config(CONFIGS / name, list(overrides)))
+
+
+def default(*overrides: str):
+    """The built-in config with micro-batches of 8 samples, so that 128-sample batches split over many ranks."""
+    return load_config(None, ["train.micro_batch_samples=8", *overrides])
+
+
+def test_recipes_are_globbed():
+    names = {p.name for p in RECIPES}
+    assert "demo.toml" in names and len(names) >= 7, names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_plans(path):
+    cfg = load_config(path)
+    p = make_plan(cfg)
+    # The arithmetic closes: nothing is dropped or duplicated between the levels of the batch.
+    assert p.rollout_batch == cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt
+    assert p.mini_batch * p.mini_batches == p.rollout_batch
+    assert p.samples_per_rank * p.data_parallel == p.mini_batch
+    assert p.accumulation * p.micro_batch == p.samples_per_rank
+    assert p.data_parallel * p.sequence_parallel == p.learner_ranks
+    assert p.steps_per_batch == cfg.train.mini_batches * cfg.train.ppo_epochs
+    assert p.max_staleness >= p.steps_per_batch - 1
+    assert p.optimizer_steps == p.rollout_batches * p.steps_per_batch
+    text = render(p)
+    for section in ("Placement", "Batch arithmetic", "Run length", "Memory per learner GPU"):
+        assert section in text
+
+
+@pytest.mark.parametrize("name, tokens", [("orz_0p5b_ppo.toml", 8000), ("orz_1p5b_ppo.toml", 8000),
+                                          ("orz_7b_ppo.toml", 8000), ("orz_32b_ppo.toml", 16000)])
+def test_orz_recipes(name, tokens):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.rollout.max_tokens == tokens and cfg.actor.max_model_len > tokens
+    a = cfg.algo
+    assert (a.advantage, a.gamma, a.lam, a.kl_coef, cfg.rollout.temperature) == ("gae", 1.0, 1.0, 0.0, 1.0)
+    p = make_plan(cfg)
+    assert (p.prompts_per_step, p.samples_per_prompt, p.rollout_batch, p.steps_per_batch) == (128, 64, 8192, 1)
+    assert p.max_tokens == tokens and f"{tokens:,}" in render(p)
+    assert p.epochs == pytest.approx(20.0, abs=0.01)  # num_episodes 20
+
+
+def test_orz_32b_is_32_gpus_colocated_with_critic_and_reference():
+    p = plan_of("orz_32b_ppo.toml")
+    assert p.learner_ranks == 32 and p.learner_gpus == 32 and p.colocate
+    assert p.models == ["policy", "critic", "reference"]
+    assert (p.actor_engines, p.tensor_parallel) == (16, 4)
+    assert len(p.memory) == 3 and p.gpu_bytes == pytest.approx(sum(m.total for m in p.memory))
+    assert "policy, critic, reference: colocated on the same 32 GPUs" in render(p)
+
+
+def test_simplerl_zoo_epochs():
+    p = plan_of("simplerl_zoo_qwen2.5_7b.toml")
+    assert (p.prompts_per_step, p.samples_per_prompt, p.num_prompts) == (1024, 8, 8532)
+    assert round(p.steps_per_epoch, 2) == 8.33
+    assert p.rollout_batches == 100
+    assert p.epochs == pytest.approx(12.0, abs=0.01)
+    assert p.samples_per_prompt_run == pytest.approx(96.0, abs=0.1)
+    # 1024 prompts / 256 per mini-batch: 4 optimizer steps, so fresh samples need k >= 3.
+    assert (p.steps_per_batch, p.min_staleness) == (4, 3) and p.max_staleness >= 3
+    text = render(p)
+    assert "8.33" in text and "12.00" in text and "96.0" in text
+    with pytest.raises(ConfigError, match=r"staleness\.max_staleness: 2 < S - 1 = 3"):
+        plan_of("simplerl_zoo_qwen2.5_7b.toml", "staleness.max_staleness=2")
+
+
+def test_open_instruct_tulu3_8b():
+    p = plan_of("open_instruct_tulu3_8b_rlvr.toml")
+    assert p.learner_ranks == 7 and p.actor_engines == 1  # 8 GPUs: 7 learning, 1 generating
+    assert p.learner_gpus + p.actor_engines * p.tensor_parallel == 8
+    assert p.samples_per_rank == 32 and p.mini_batch == 224  # local mini-batch 32, global 224
+
+
+BAD = [
+    # (overrides on the default config, field named, arithmetic shown)
+    (["train.mini_batches=3"], "train.mini_batches",
+     "16 prompts x 8 samples = 128 samples per rollout batch / 3 mini-batches is not whole"),
+    (["train.micro_batch_samples=48"], "train.micro_batch_samples",
+     "128 samples per mini-batch / 1 data-parallel ranks = 128 per rank is not a multiple of train.micro_batch_samples 48"),
+    (["cluster.learner_gpus_per_node=256"], "cluster.learner_gpus_per_node",
+     "256 data-parallel ranks (256 learner ranks (cluster.learner_nodes 1 x cluster.learner_gpus_per_node 256) / "
+     "sequence_parallel_size 1) exceed the 128 samples of a mini-batch"),
+    (["cluster.learner_gpus_per_node=3"], "cluster.learner_gpus_per_node", "128 samples per mini-batch / 3 data-parallel ranks"),
+    (["cluster.learner_gpus_per_node=4", "train.sequence_parallel_size=3"], "train.sequence_parallel_size",
+     "sequence_parallel_size 3 does not divide 4 learner ranks"),
+    (["train.mini_batches=4", "staleness.max_staleness=2"], "staleness.max_staleness",
+     "2 < S - 1 = 3: a rollout batch is trained in S = 4 optimizer steps (train.mini_batches 4 x train.ppo_epochs 1)"),
+    (["train.ppo_epochs=3", "staleness.max_staleness=1"], "staleness.max_staleness",
+     "1 < S - 1 = 2: a rollout batch is trained in S = 3 optimizer steps (train.mini_batches 1 x train.ppo_epochs 3)"),
+    (["train.total_episodes=1000"], "train.total_episodes",
+     "1000 samples / (16 prompts x 8 samples = 128 samples per rollout batch) = 7.81 rollout batches is not whole"),
+    (["cluster.learner_gpus_per_node=4", "train.sequence_parallel_size=2", "cluster.debug_gpus=3"], "cluster.debug_gpus",
+     "sequence_parallel_size 2 does not divide cluster.debug_gpus = 3 learner ranks"),
+    (["cluster.learner_gpus_per_node=4", "cluster.debug_gpus=3"], "cluster.debug_gpus",
+     "128 samples per mini-batch / 3 data-parallel ranks (cluster.debug_gpus = 3 learner ranks"),
+    (["cluster.learner_gpus_per_node=4", "train.micro_batch_samples=32", "cluster.debug_gpus=8"], "cluster.debug_gpus",
+     "128 samples per mini-batch / 8 data-parallel ranks = 16 per rank is not a multiple of train.micro_batch_samples 32"),
+    (["cluster.actor_gpus_per_node=6", "cluster.tensor_parallel_size=4"], "cluster.tensor_parallel_size",
+     "6 actor GPUs / tensor_parallel_size 4 is not whole"),
+    (["cluster.actor_nodes=2", "cluster.actor_gpus_per_node=2", "cluster.tensor_parallel_size=4", "cluster.debug_gpus=1"],
+     "cluster.debug_gpus", "cluster.actor_gpus_per_node 2 / tensor_parallel_size 4 makes no whole engine"),
+]
+
+
+@pytest.mark.parametrize("overrides, field, arithmetic", BAD, ids=[b[1] + ":" + b[0][-1] for b in BAD])
+def test_bad_arithmetic_is_rejected_with_the_numbers(overrides, field, arithmetic):
+    cfg = default(*overrides)  # the config itself is valid: only the plan's arithmetic fails
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg)
+    assert str(e.value).startswith(f"{field}: ")
+    assert arithmetic in str(e.value)
+
+
+@pytest.mark.parametrize("good", [["train.mini_batches=4"], ["train.micro_batch_samples=32"],
+                                  ["cluster.learner_gpus_per_node=128", "train.micro_batch_samples=1"],
+                                  ["cluster.learner_gpus_per_node=4", "train.sequence_parallel_size=2"],
+                                  ["train.total_episodes=1280"], ["cluster.learner_gpus_per_node=4", "cluster.debug_gpus=2"],
+                                  ["cluster.actor_gpus_per_node=8", "cluster.tensor_parallel_size=4"]])
+def test_neighbours_of_the_bad_cases_pass(good):
+    """Controls: one step away from each rejected case, the plan is accepted."""
+    make_plan(default(*good, "staleness.max_staleness=3"))
+
+
+@pytest.mark.parametrize("mini_batches, ppo_epochs", [(1, 1), (2, 1), (1, 4), (4, 2), (8, 1)])
+def test_staleness_bound_is_tight(mini_batches, ppo_epochs):
+    steps = mini_batches * ppo_epochs
+    base = [f"train.mini_batches={mini_batches}", f"train.ppo_epochs={ppo_epochs}", "train.micro_batch_samples=8"]
+    p = make_plan(load_config(None, base + [f"staleness.max_staleness={steps - 1}"]))
+    assert (p.steps_per_batch, p.min_staleness) == (steps, steps - 1)
+    if steps > 1:
+        with pytest.raises(ConfigError, match=rf"staleness\.max_staleness: {steps - 2} < S - 1 = {steps - 1}"):
+            make_plan(load_config(None, base + [f"staleness.max_staleness={steps - 2}"]))
+
+
+def test_debug_placement_keeps_the_global_batch():
+    recipe = plan_of("orz_7b_ppo.toml")
+    debug = plan_of("orz_7b_ppo.toml", "cluster.debug_gpus=8")
+    assert debug.debug and not recipe.debug
+    assert (debug.learner_ranks, debug.data_parallel, debug.recipe_data_parallel) == (8, 8, 32)
+    assert (recipe.accumulation, debug.accumulation, debug.recipe_accumulation) == (256, 1024, 256)
+    assert (debug.actor_nodes, debug.actor_engines, debug.recipe_actor_engines) == (1, 8, 32)
+    # Everything about the algorithm is identical: batch sizes, steps, staleness, run length.
+    placement = {"debug", "learner_ranks", "data_parallel", "samples_per_rank", "accumulation", "learner_gpus",
+                 "actor_nodes", "actor_engines", "memory", "gpu_bytes"}
+    for f in dataclasses.fields(recipe):
+        if f.name not in placement:
+            assert getattr(debug, f.name) == getattr(recipe, f.name), f.name
+    assert debug.samples_per_rank * debug.data_parallel == recipe.samples_per_rank * recipe.data_parallel
+    # Fewer ranks share the ZeRO-3 state: 4x the bytes per GPU.
+    assert debug.gpu_bytes == pytest.approx(4 * recipe.gpu_bytes)
+    assert "debug placement (recipe: 32 = 4 node(s) x 8 GPUs)" in render(debug)
+
+
+@pytest.mark.parametrize("dtype, stage, params, grads, adam", [
+    ("bfloat16", 0, 2e6, 2e6, 12e6),  # nothing sharded; Adam = fp32 m + v + master copy
+    ("bfloat16", 1, 2e6, 2e6, 3e6),
+    ("bfloat16", 2, 2e6, 0.5e6, 3e6),
+    ("bfloat16", 3, 0.5e6, 0.5e6, 3e6),
+    ("float32", 0, 4e6, 4e6, 8e6),  # fp32 training: no master copy
+    ("float32", 3, 1e6, 1e6, 2e6),
+])
+def test_memory_per_gpu(dtype, stage, params, grads, adam):
+    over = ["model.num_params=1000000", f"model.dtype={dtype}", f"train.zero_stage={stage}",
+            "cluster.learner_gpus_per_node=4", "algo.advantage=gae", "algo.kl_coef=0.1"]
+    p = make_plan(default(*over))
+    policy, critic, ref = p.memory
+    assert (policy.name, critic.name, ref.name) == ("policy", "critic", "reference")
+    assert (policy.params, policy.grads, policy.optimizer) == (params, grads, adam)
+    assert critic.total == policy.total
+    # The reference: weights only, sharded only under ZeRO-3.
+    assert (ref.params, ref.grads, ref.optimizer) == (1e6 * (2 if dtype == "bfloat16" else 4) / (4 if stage == 3 else 1), 0, 0)
+    assert p.colocate and p.learner_gpus == 4 and p.gpu_bytes == 2 * policy.total + ref.params
+    # Not colocated: each model on its own 4 GPUs; the busiest GPU holds the largest model.
+    apart = make_plan(default(*over, "cluster.colocate=false"))
+    assert apart.learner_gpus == 12 and apart.gpu_bytes == policy.total
+
+
+def test_models_follow_the_algorithm():
+    assert plan_of("demo.toml").models == ["policy"]
+    assert make_plan(load_config(None, ["algo.kl_coef=0.01"])).models == ["policy", "reference"]
+    assert make_plan(load_config(None, ["algo.keep_reference=true"])).models == ["policy", "reference"]
+    assert make_plan(load_config(None, ["algo.advantage=gae"])).models == ["policy", "critic"]
+
+
+def test_param_count_from_the_model_folder(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from deploy.tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "tiny")
+    real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).parameters())
+    p = make_plan(default(f"model.path={path}", "cluster.learner_gpus_per_node=2", "train.zero_stage=3"))
+    assert p.num_params == real and p.params_source.endswith("config.json")
+    assert p.memory[0].params == real * 4 / 2  # float32, ZeRO-3 over 2 ranks
+    explicit = make_plan(load_config(None, [f"model.path={path}", "model.num_params=123"]))
+    assert (explicit.num_params, explicit.params_source) == (123, "model.num_params")
+    unknown = make_plan(load_config(None, [f"model.path={tmp_path / 'absent'}"]))
+    assert unknown.num_params is None and unknown.memory == [] and "unknown" in render(unknown)
+
+
+def test_prompt_count(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10)]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows[:5]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[5:]) + "\n")
+    base = ["data.task=file", f"data.path={jsonl}", "train.prompts_per_step=4"]
+    p = make_plan(default(*base))
+    assert (p.num_prompts, p.steps_per_epoch) == (10, 2.5)
+    held = make_plan(default(*base, "data.val_fraction=0.2"))
+    assert held.num_prompts == 8 and "minus 2 held out" in held.prompts_source
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist(rows + rows[:2]), parquet)
+    assert make_plan(load_config(None, ["data.task=file", f"data.path={parquet}"])).num_prompts == 12
+    # Not at hand: data.num_prompts, else unknown; the caller's count wins over both.
+    absent = ["data.task=file", f"data.path={tmp_path / 'absent.jsonl'}"]
+    assert make_plan(load_config(None, absent + ["data.num_prompts=640"])).epochs == pytest.approx(100 * 16 / 640)
+    assert make_plan(load_config(None, absent)).epochs is None
+    assert make_plan(load_config(None, absent), num_prompts=50).num_prompts == 50
+
+
+def test_samples_per_prompt_1_only_with_a_critic():
+    assert make_plan(default("rollout.samples_per_prompt=1", "algo.advantage=gae")).rollout_batch == 16
+    with pytest.raises(ConfigError, match=r"rollout\.samples_per_prompt: algo\.advantage = grpo needs >= 2"):
+        load_config(None, ["rollout.samples_per_prompt=1"])
+
+
+def test_cli_plan(capsys):
+    from deploy.cli import main
+
+    assert main(["plan", str(CONFIGS / "orz_32b_ppo.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "policy, critic, reference: colocated on the same 32 GPUs" in out
+    assert re.search(r"generated tokens\s+16,000", out) and re.search(r"learner ranks\s+32", out)
+    assert re.search(r"per GPU\s+\d+\.\d GiB", out)
+    assert main(["plan", str(CONFIGS / "orz_32b_ppo.toml"), "cluster.debug_gpus=8"]) == 0
+    assert re.search(r"data parallel\s+8\s+8 ranks / SP 1 \(recipe: 32\)", capsys.readouterr().out)
+    assert main(["plan", str(CONFIGS / "demo.toml"), "train.mini_batches=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fleetrl: config error: train.mini_batches: 16 prompts x 8 samples = 128")

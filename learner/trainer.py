@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from learner import staleness as st
+from learner.advantages import GroupAdvantage, make_advantage
 from learner.batch import group_samples, make_micro_batch, token_logprobs
 from learner.hub import Accepted
-from learner.losses import ADVANTAGES, ppo_clip_loss
-from protocol.config import Config
+from learner.losses import make_policy_loss
+from protocol.config import Config, ConfigError
 
 
 def init_distributed() -> None:
@@ -76,10 +77,17 @@ class Trainer:
         self.cfg = cfg
         samples = cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt
         self.micro_batches = math.ceil(samples / cfg.train.micro_batch_samples)
+        advantage = make_advantage(cfg.algo)
+        if not isinstance(advantage, GroupAdvantage):
+            raise ConfigError(f"algo.advantage: {cfg.algo.advantage!r} needs the critic, which this trainer does not run yet")
+        self.advantage = advantage
+        self.policy_loss = make_policy_loss(cfg.algo)
+        if self.policy_loss.needs_reference or self.policy_loss.needs_entropy:
+            raise ConfigError(f"algo.kl_coef={cfg.algo.kl_coef}, algo.entropy_coef={cfg.algo.entropy_coef}: "
+                              "the reference model and the entropy bonus are not wired into this trainer yet (use 0)")
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=deepspeed_config(cfg, self.micro_batches))
-        self.advantage = ADVANTAGES[cfg.algo.advantage]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.engine.module.named_parameters())
@@ -90,7 +98,7 @@ class Trainer:
             assert st.admissible(version, g.version_min, max_staleness), (
                 f"sample of version {g.version_min} in update {version} -> {version + 1} breaks max_staleness={max_staleness}")
         rewards = torch.from_numpy(np.stack([g.rewards for g in groups]).astype(np.float32))
-        advantages = self.advantage(rewards)
+        advantages = self.advantage.per_sample(rewards)
         samples = [s for g, adv in zip(groups, advantages, strict=True) for s in group_samples(g, adv)]
         total_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
         micro = self.cfg.train.micro_batch_samples
@@ -104,7 +112,9 @@ class Trainer:
             mb = make_micro_batch(chunk, version)
             logits = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
             logp = token_logprobs(logits, mb, self.cfg.rollout.temperature)
-            out = ppo_clip_loss(logp, mb.behaviour_logp, mb.token_adv, self.cfg.algo.clip_low, self.cfg.algo.tis_cap, total_tokens)
+            # One optimizer step per batch: the learner before this update is the one computing logp now.
+            prox = logp.detach() if self.policy_loss.needs_prox else None
+            out = self.policy_loss(logp, mb.behaviour_logp, mb.token_adv, total_tokens, prox_logp=prox)
             self.engine.backward(out.loss, scale_wrt_gas=False)
             self.engine.step()
             loss_sum += out.loss.item()

@@ -1,65 +1,237 @@
-"""Advantage estimators and the clipped policy loss, each a small unit chosen once from the config.
+"""The policy loss (clipped surrogate + off-policy correction + KL + entropy) and the critic's value loss.
 
-Shapes: `rewards` is [groups, samples_per_prompt]; token tensors are [tokens] for the
-whole micro-batch, flat (samples concatenated), with `token_adv` already broadcast
-from each sample to its tokens.
+Token tensors are flat [T] over a micro-batch's completion tokens (samples concatenated),
+advantages already per token. Aggregation is token-level: every sum is divided by
+`total_tokens`, the completion tokens of the whole optimizer step, so gradient-accumulated
+micro-batches add up to exactly the full-batch loss, and every token weighs the same
+whatever its sequence's length.
+
+The off-policy correction is one small unit per `[algo] correction`, chosen once by
+`make_policy_loss`:
+- none:      r = exp(logp - behaviour); surr = min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
+- tis:       as none, and where A < 0 the ratio is truncated at tis_cap: surr = max(surr, tis_cap A)
+- decoupled: AReaL's decoupled PPO: clip against the proximal policy (the learner before this update)
+             and weight by the behaviour importance weight w = min(exp(prox - behaviour), tis_cap)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-
-def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: (r - mean(group)) / (std(group) + eps), std unbiased=False. A group of equal rewards gives 0."""
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True, unbiased=False)
-    return (rewards - mean) / (std + eps)
+from protocol.config import AlgoConfig
 
 
-def dr_grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Dr. GRPO: r - mean(group), no division by the group's std (which over-weights easy/hard prompts)."""
-    return rewards - rewards.mean(dim=1, keepdim=True)
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """min(r A, clip(r, 1 - clip_low, 1 + clip_high) A): no gain from moving r past the clip range."""
+    return torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv)
 
 
-ADVANTAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages}
+def _outside(ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    return (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+
+
+@dataclass(kw_only=True, slots=True)
+class Surrogate:
+    surr: torch.Tensor  # [T] per-token objective (maximised)
+    ratio: torch.Tensor  # [T] detached: the ratio that was clipped
+    clipped: torch.Tensor  # bool [T]: ratio outside [1 - clip_low, 1 + clip_high]
+    truncated: torch.Tensor  # bool [T]: the tis_cap bound was active
+    weight: torch.Tensor | None  # [T] detached behaviour importance weight (decoupled only)
+
+
+@dataclass(frozen=True, slots=True)
+class NoCorrection:
+    """Plain PPO clip against the behaviour logprobs."""
+
+    clip_low: float
+    clip_high: float
+    needs_prox: ClassVar[bool] = False
+
+    def __call__(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
+                 prox_logp: torch.Tensor | None = None) -> Surrogate:
+        ratio = torch.exp(logp - behaviour_logp)
+        surr = clipped_surrogate(ratio, adv, self.clip_low, self.clip_high)
+        return Surrogate(surr=surr, ratio=ratio.detach(), clipped=_outside(ratio.detach(), self.clip_low, self.clip_high),
+                         truncated=torch.zeros_like(adv, dtype=torch.bool), weight=None)
+
+
+@dataclass(frozen=True, slots=True)
+class TruncatedIS:
+    """PPO clip plus dual clip: for A < 0 the unclipped branch r A grows without bound as r grows
+    (stale or mismatched samples); truncating r at `cap` there bounds each token's loss by cap |A|."""
+
+    clip_low: float
+    clip_high: float
+    cap: float
+    needs_prox: ClassVar[bool] = False
+
+    def __call__(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
+                 prox_logp: torch.Tensor | None = None) -> Surrogate:
+        ratio = torch.exp(logp - behaviour_logp)
+        surr = clipped_surrogate(ratio, adv, self.clip_low, self.clip_high)
+        bound = self.cap * adv
+        truncated = (adv < 0) & (surr < bound)
+        return Surrogate(surr=torch.where(truncated, bound, surr), ratio=ratio.detach(),
+                         clipped=_outside(ratio.detach(), self.clip_low, self.clip_high),
+                         truncated=truncated.detach(), weight=None)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoupledPPO:
+    """AReaL's decoupled PPO: the trust region is around the proximal policy (the learner's own
+    logprobs before this update), not the stale behaviour policy; the behaviour -> proximal gap is
+    corrected by an importance weight, truncated at `cap` so one very stale token cannot dominate."""
+
+    clip_low: float
+    clip_high: float
+    cap: float
+    needs_prox: ClassVar[bool] = True
+
+    def __call__(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
+                 prox_logp: torch.Tensor | None = None) -> Surrogate:
+        assert prox_logp is not None, "decoupled PPO needs the proximal logprobs (learner, before this update)"
+        prox_logp = prox_logp.detach()
+        ratio = torch.exp(logp - prox_logp)
+        raw_weight = torch.exp(prox_logp - behaviour_logp)
+        weight = torch.clamp(raw_weight, max=self.cap)
+        surr = weight * clipped_surrogate(ratio, adv, self.clip_low, self.clip_high)
+        return Surrogate(surr=surr, ratio=ratio.detach(), clipped=_outside(ratio.detach(), self.clip_low, self.clip_high),
+                         truncated=raw_weight > self.cap, weight=weight)
+
+
+Correction = NoCorrection | TruncatedIS | DecoupledPPO
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = log(pi / pi_ref): unbiased for KL(pi || pi_ref) on samples from pi, but can be negative."""
+    return logp - ref_logp
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 = exp(ref - logp) - (ref - logp) - 1: unbiased and never negative."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k3": kl_k3}
+
+
+def token_entropy(picked_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy [T] of softmax(logits / temperature) at the scored positions; `picked_logits` is [T, V]
+    (the rows `logits[mb.score_rows, mb.score_cols]`). In float32; p log p is taken as 0 where p = 0
+    (a -inf logit), which would otherwise give 0 * -inf = nan in the value and in the gradient."""
+    logp = torch.log_softmax(picked_logits.float() / temperature, dim=-1)
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(dim=-1)
 
 
 @dataclass(kw_only=True, slots=True)
 class PolicyLossOut:
-    loss: torch.Tensor  # scalar: sum of token losses / `total_tokens` (token-level aggregation)
-    clip_frac: torch.Tensor  # fraction of tokens whose ratio was clipped
-    ratio_mean: torch.Tensor
+    loss: torch.Tensor  # scalar: (-sum(surr) + kl_coef sum(kl) - entropy_coef sum(H)) / total_tokens
+    clip_frac: torch.Tensor  # share of this micro-batch's tokens whose ratio was outside the clip range
+    ratio_mean: torch.Tensor  # mean ratio (against behaviour; against proximal for decoupled)
+    trunc_frac: torch.Tensor  # share of tokens where the tis_cap truncation was active
+    iw_mean: torch.Tensor | None  # decoupled: mean behaviour importance weight (after the cap)
+    iw_max: torch.Tensor | None  # decoupled: max of it
+    kl_mean: torch.Tensor | None  # mean per-token KL estimate to the reference (when ref_logp is given)
+    entropy_mean: torch.Tensor | None  # mean token entropy (when entropy is given)
 
 
-def ppo_clip_loss(
-    logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
-    token_adv: torch.Tensor,
-    clip_eps: float,
-    tis_cap: float,
-    total_tokens: int,
-) -> PolicyLossOut:
-    """Clipped surrogate with the ratio taken against the behaviour logprobs.
+@dataclass(frozen=True, slots=True)
+class PolicyLoss:
+    """The whole policy objective of one micro-batch; built once from [algo] by `make_policy_loss`."""
 
-        r      = exp(logp - behaviour_logp)                  (behaviour: the distribution sampled)
-        surr   = min(r * A, clip(r, 1 - eps, 1 + eps) * A)
-        tis    : for A < 0 the unclipped branch grows without bound as r grows (stale or
-                 mismatched samples); the ratio there is truncated at `tis_cap`, so
-                 surr = max(surr, tis_cap * A). tis_cap = 0 disables the truncation.
-        loss   = -sum(surr) / total_tokens                   (token-level: every token weighs the same,
-                                                              whatever its sequence's length)
-    `total_tokens` counts the tokens of the whole optimizer step, so micro-batches add up exactly.
-    """
-    ratio = torch.exp(logp - behaviour_logp)
-    unclipped = ratio * token_adv
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * token_adv
-    surr = torch.minimum(unclipped, clipped)
-    if tis_cap > 0:
-        surr = torch.where(token_adv < 0, torch.maximum(surr, tis_cap * token_adv), surr)
+    correction: Correction
+    kl_coef: float
+    kl: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    entropy_coef: float
+
+    @property
+    def needs_prox(self) -> bool:
+        """The trainer must pass prox_logp: its own logprobs of the batch before this update, detached."""
+        return self.correction.needs_prox
+
+    @property
+    def needs_reference(self) -> bool:
+        """The trainer must pass ref_logp from a frozen reference model."""
+        return self.kl_coef > 0
+
+    @property
+    def needs_entropy(self) -> bool:
+        """The trainer must pass the token entropy (with its graph: the bonus has a gradient)."""
+        return self.entropy_coef > 0
+
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        behaviour_logp: torch.Tensor,
+        adv: torch.Tensor,
+        total_tokens: int,
+        *,
+        prox_logp: torch.Tensor | None = None,
+        ref_logp: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+    ) -> PolicyLossOut:
+        assert logp.shape == behaviour_logp.shape == adv.shape, (logp.shape, behaviour_logp.shape, adv.shape)
+        assert total_tokens >= logp.numel(), f"total_tokens {total_tokens} < {logp.numel()} tokens in this micro-batch"
+        assert ref_logp is not None or not self.needs_reference, "kl_coef > 0 needs ref_logp"
+        assert entropy is not None or not self.needs_entropy, "entropy_coef > 0 needs entropy"
+        s = self.correction(logp, behaviour_logp, adv, prox_logp)
+        loss = -s.surr.sum() / total_tokens
+        kl_mean = entropy_mean = None
+        if ref_logp is not None:
+            kl = self.kl(logp, ref_logp.detach())
+            if self.kl_coef > 0:
+                loss = loss + self.kl_coef * kl.sum() / total_tokens
+            kl_mean = kl.detach().mean()
+        if entropy is not None:
+            if self.entropy_coef > 0:
+                loss = loss - self.entropy_coef * entropy.sum() / total_tokens
+            entropy_mean = entropy.detach().mean()
+        w = s.weight
+        return PolicyLossOut(
+            loss=loss, clip_frac=s.clipped.float().mean(), ratio_mean=s.ratio.mean(), trunc_frac=s.truncated.float().mean(),
+            iw_mean=None if w is None else w.mean(), iw_max=None if w is None else w.max(),
+            kl_mean=kl_mean, entropy_mean=entropy_mean,
+        )
+
+
+def make_correction(algo: AlgoConfig) -> Correction:
+    if algo.correction == "none":
+        return NoCorrection(clip_low=algo.clip_low, clip_high=algo.clip_high)
+    if algo.correction == "tis":
+        return TruncatedIS(clip_low=algo.clip_low, clip_high=algo.clip_high, cap=algo.tis_cap)
+    assert algo.correction == "decoupled", algo.correction  # the config validated it
+    return DecoupledPPO(clip_low=algo.clip_low, clip_high=algo.clip_high, cap=algo.tis_cap)
+
+
+def make_policy_loss(algo: AlgoConfig) -> PolicyLoss:
+    return PolicyLoss(correction=make_correction(algo), kl_coef=algo.kl_coef, kl=KL_ESTIMATORS[algo.kl_estimator],
+                      entropy_coef=algo.entropy_coef)
+
+
+@dataclass(kw_only=True, slots=True)
+class ValueLossOut:
+    loss: torch.Tensor  # scalar: 0.5 sum(max(unclipped, clipped squared error)) / total_tokens
+    clip_frac: torch.Tensor  # share of tokens whose new value left [V_old - value_clip, V_old + value_clip]
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float, total_tokens: int
+) -> ValueLossOut:
+    """Clipped value loss: 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), token-level.
+
+    Taking the max makes the clip pessimistic: a value that ran past the trust region toward R
+    gets no gradient, one that moved away from R still does. values [T] (with grad), old_values
+    [T] (the critic before this update), returns [T] (GAE targets)."""
+    assert values.shape == old_values.shape == returns.shape, (values.shape, old_values.shape, returns.shape)
+    old_values, returns = old_values.detach(), returns.detach()
+    clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
     with torch.no_grad():
-        clip_frac = ((ratio < 1 - clip_eps) | (ratio > 1 + clip_eps)).float().mean()
-    return PolicyLossOut(loss=-surr.sum() / total_tokens, clip_frac=clip_frac, ratio_mean=ratio.detach().mean())
+        clip_frac = ((values - old_values).abs() > value_clip).float().mean()
+    return ValueLossOut(loss=per_token.sum() / total_tokens, clip_frac=clip_frac)

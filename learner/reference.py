@@ -1,0 +1,33 @@
+"""The frozen reference policy for the KL penalty: a copy of the initial policy that never trains."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from learner.batch import MicroBatch, token_logprobs
+
+
+class ReferencePolicy:
+    """Holds a causal LM in eval mode with requires_grad off and no optimizer (not an nn.Module on
+    purpose: nothing walking the learner's modules, e.g. DeepSpeed or a weight sync, can pick it up)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ReferencePolicy:
+        """Load the reference from the policy's initial folder (works under ZeRO-3, unlike a deepcopy)."""
+        from transformers import AutoModelForCausalLM
+
+        return cls(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype))
+
+    @torch.no_grad()
+    def logprobs(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
+        """Logprobs [T] of the micro-batch's completion tokens, after `temperature` like the policy's."""
+        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        return token_logprobs(logits, mb, temperature)

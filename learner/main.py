@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from learner.data import load_prompts
+from learner.data import load_datasets
 from learner.hub import Hub
 from learner.metrics import MetricsWriter
 from learner.weight_sync import WeightSender
@@ -56,7 +56,8 @@ def run_learner(cfg: Config) -> int:
     if torch.distributed.get_world_size() != 1:
         raise ValueError("the learner runs as one process for now; multi-rank data/sequence parallelism is issue #3")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    prompts = load_prompts(cfg.data, tokenizer)
+    data = load_datasets(cfg, tokenizer)
+    prompts = data.train
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
     trainer = Trainer(cfg, model)
     hub = Hub(cfg, prompts)

@@ -1,7 +1,9 @@
 """`fleetrl learner`: the learner process (rank 0 also runs the hub).
 
     loop:  take a batch of admissible groups (blocks)  ->  update (DeepSpeed)  ->  version += 1
-           ->  ledger: trained; grants resume  ->  broadcast weights to the actors  ->  metrics
+           ->  ledger: trained; grants resume  ->  broadcast weights to the actors
+           ->  every eval.every_steps: the actors evaluate this version (learner/evaluation.py)
+           ->  every checkpoint.every_steps: Hugging Face checkpoint (learner/checkpoint.py)  ->  metrics
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+from learner.checkpoint import CheckpointManager, hf_writer
 from learner.data import load_datasets
+from learner.evaluation import Evaluator
 from learner.hub import Hub
 from learner.metrics import MetricsWriter
 from learner.weight_sync import WeightSender
@@ -64,7 +68,9 @@ def run_learner(cfg: Config) -> int:
     hub.start()
     sender = WeightSender(cfg.weights, trainer.named_parameters(), cfg.model.dtype)
     metrics = MetricsWriter(run_dir)
-    log.info("learner.ready", prompts=len(prompts), params=sum(p.numel() for p in model.parameters()), hub=cfg.hub.bind, weight_port=sender.port)
+    evaluator = Evaluator(cfg, data.eval_sets(), hub)
+    checkpoints = CheckpointManager(cfg.checkpoint, run_dir, hf_writer(trainer.engine.module, tokenizer))
+    log.info("learner.ready", prompts=len(prompts), eval_prompts={k: len(v) for k, v in data.eval_sets().items()}, params=sum(p.numel() for p in model.parameters()), hub=cfg.hub.bind, weight_port=sender.port)
 
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
@@ -89,6 +95,10 @@ def run_learner(cfg: Config) -> int:
             hub.finish_update(version, [item.key for item in batch])
             sync = sender.sync(version, hub)
             step_s = time.perf_counter() - t0
+            last = version >= cfg.train.total_steps
+            # Blocks until the actors answer (time/eval, not in time/step); no newer weights go out meanwhile,
+            # so `version` is what they serve.
+            evals = evaluator.run(version, last, should_stop=lambda: stop["flag"])
             row = {
                 "step": version, "policy_version": version, "reward_mean": stats.reward_mean, "samples": stats.samples,
                 "staleness_max": stats.staleness_max, "staleness_mean": stats.staleness_mean,
@@ -96,12 +106,14 @@ def run_learner(cfg: Config) -> int:
                 "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
                 "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
                 "grad_norm": stats.grad_norm, "adv_abs_mean": stats.adv_abs_mean, "max_staleness": k,
-                "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(),
+                "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
             }
+            row.update(checkpoints.maybe_save(version, row, last))
             metrics.write(row)
             log.info("learner.step", step=version, reward=round(stats.reward_mean, 3), staleness_max=stats.staleness_max,
                      mismatch=None if stats.on_policy_tokens == 0 else float(f"{stats.logprob_mismatch:.2e}"),
                      wait_s=round(t_wait, 2), train_s=round(t_train, 2), sync_s=round(sync["time/weight_sync"], 3), broadcast_s=round(sync.get("time/broadcast", 0.0), 3))
+        checkpoints.maybe_save(version, {}, last=True)  # stopped early (SIGTERM): keep what was trained
     finally:
         sender.wait()
         hub.stop("run finished" if version >= cfg.train.total_steps else "learner stopping")

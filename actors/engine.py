@@ -56,14 +56,18 @@ class Engine:
         )
         self.llm = AsyncLLM.from_engine_args(args)
 
-    async def generate_group(self, prompt_tokens: np.ndarray, n: int, seed: int | None = None) -> list[Completion]:
-        """`n` completions of one prompt as one request (vLLM fans it out to n sequences)."""
+    async def generate_group(self, prompt_tokens: np.ndarray, n: int, seed: int | None = None,
+                             temperature: float | None = None) -> list[Completion]:
+        """`n` completions of one prompt as one request (vLLM fans it out to n sequences).
+
+        `temperature` defaults to rollout.temperature; 0.0 is greedy (evaluation).
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            n=n, temperature=self.cfg.rollout.temperature, max_tokens=self.cfg.rollout.max_tokens, logprobs=0,
+            n=n, temperature=self.cfg.rollout.temperature if temperature is None else temperature, max_tokens=self.cfg.rollout.max_tokens, logprobs=0,
             seed=seed, output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=True,
         )
         final = None

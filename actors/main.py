@@ -3,6 +3,8 @@
     receiver task:  RegisterAck | WorkGrant -> grant task | WeightSync -> sync task | Shutdown | Error
     grant task:     wait until the engine serves grant.policy_version -> generate n completions
                     -> score -> send RolloutGroup (each group as soon as it is done)
+    eval task:      EvalGrant -> generate with its sampling (greedy or sampled) -> score -> EvalResult
+                    (not counted in `held`: eval work never takes the place of training work)
     sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
     heartbeat task: Heartbeat every hub.heartbeat_s; re-registers when the hub stops answering
 
@@ -134,6 +136,8 @@ class Actor:
             elif isinstance(msg, m.WorkGrant):
                 self.held += 1
                 self._spawn(self._run_grant(msg))
+            elif isinstance(msg, m.EvalGrant):
+                self._spawn(self._run_eval(msg))
             elif isinstance(msg, m.WeightSync):
                 self._spawn(self._apply_sync(msg))
             elif isinstance(msg, m.Shutdown):
@@ -166,6 +170,20 @@ class Actor:
         finally:
             self.held -= 1
         await self._request_work()
+
+    async def _run_eval(self, grant: m.EvalGrant) -> None:
+        """The hub sends no newer weights during a round, so version_min == version_max == grant.policy_version."""
+        async with self.version_changed:
+            await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
+        version_min = self.served_version
+        t0 = time.perf_counter()
+        completions = await self.engine.generate_group(grant.prompt_tokens, grant.n, seed=grant.seed, temperature=grant.temperature)
+        await self._send(m.EvalResult(
+            actor_id=self.actor_id, eval_round=grant.eval_round, split=grant.split, prompt_id=grant.prompt_id,
+            lengths=np.asarray([len(c.token_ids) for c in completions], dtype=np.int32),
+            rewards=np.asarray([self.reward_fn(c.text, grant.answer) for c in completions], dtype=np.float32),
+            finish_reasons=[c.finish_reason for c in completions], version_min=version_min,
+            version_max=self.served_version, gen_s=time.perf_counter() - t0))
 
     async def _apply_sync(self, sync: m.WeightSync) -> None:
         async with self.sync_lock:

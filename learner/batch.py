@@ -54,6 +54,8 @@ class MicroBatch:
     behaviour_logp: torch.Tensor  # float32 [T]
     token_adv: torch.Tensor  # float32 [T]
     on_policy: torch.Tensor  # bool [T]: token's sample has staleness 0 (for logprob_mismatch)
+    rewards: torch.Tensor  # float32 [B]: each sample's reward (GAE puts it on the last token)
+    lengths: torch.Tensor  # int64 [B]: completion tokens of each sample
 
 
 def make_micro_batch(samples: list[Sample], version: int) -> MicroBatch:
@@ -76,10 +78,13 @@ def make_micro_batch(samples: list[Sample], version: int) -> MicroBatch:
         input_ids=ids, attention_mask=mask, score_rows=torch.cat(rows), score_cols=torch.cat(cols),
         targets=torch.cat(targets), behaviour_logp=torch.cat(behaviour), token_adv=torch.cat(adv).float(),
         on_policy=torch.cat(on_policy),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        lengths=torch.tensor([len(s.tokens) - s.prompt_len for s in samples], dtype=torch.long),
     )
 
 
 def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
     """Logprobs [T] of the completion tokens under softmax(logits / temperature): the sampled distribution."""
-    picked = logits[mb.score_rows, mb.score_cols].float() / temperature
-    return torch.log_softmax(picked, dim=-1).gather(1, mb.targets[:, None]).squeeze(1)
+    dev = logits.device
+    picked = logits[mb.score_rows.to(dev), mb.score_cols.to(dev)].float() / temperature
+    return torch.log_softmax(picked, dim=-1).gather(1, mb.targets.to(dev)[:, None]).squeeze(1)

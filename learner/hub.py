@@ -1,12 +1,14 @@
 """The hub on learner rank 0: actor registry, ledger, dispatcher and batch buffer.
 
-    actors --Register/Heartbeat/WorkRequest/RolloutGroup/WeightVersion--> [ROUTER]
-                                                                           |
-                    hub thread (own uvloop loop; owns the socket)          v
+    actors --Register/Heartbeat/WorkRequest/RolloutGroup/EvalResult/WeightVersion--> [ROUTER]
+                                                                                      |
+                    hub thread (own uvloop loop; owns the socket)                     v
         registry ---- dispatcher (admission control) ---- ledger ---- buffer
-                                                                           |
-    training thread <-- take_batch() (blocks on `cond`) ------------------+
+                  +--- eval round (learner/evaluation.py; outside ledger and admission)
+                                                                                      |
+    training thread <-- take_batch() (blocks on `cond`) ------------------------------+
                     --> begin_update() / finish_update() / send_weight_sync()
+                    --> start_eval() / wait_eval() (blocks on `cond`)
 
 Only the hub thread touches the socket. Both threads share the state below under
 `cond` (a Condition on one lock); the training thread never waits on the network
@@ -29,6 +31,7 @@ import zmq.asyncio
 
 from learner import staleness as st
 from learner.data import PromptSet
+from learner.evaluation import EvalRound
 from learner.ledger import Key, Ledger
 from protocol import messages as m
 from protocol import transport
@@ -69,6 +72,7 @@ class Hub:
         self.training = False
         self.max_staleness = cfg.staleness.max_staleness
         self.steps = cfg.train.mini_batches * cfg.train.ppo_epochs  # optimizer steps (versions) per update
+        self.eval_round: EvalRound | None = None  # at most one; its grants never count as outstanding
         self.counters: Counter[str] = Counter()
         self.stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,6 +143,27 @@ class Hub:
                 self.ledger.requeue(item.key, "aborted")
             self.training = False
         self._kick()
+
+    def start_eval(self, rnd: EvalRound) -> None:
+        """Hand an eval round to the dispatcher: actors serving rnd.version get its prompts."""
+        with self.cond:
+            assert self.eval_round is None, "one eval round at a time"
+            self.eval_round = rnd
+        self._kick()
+
+    def wait_eval(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> EvalRound:
+        """Block until the round is answered, `timeout_s` passes or `should_stop()`; then close it.
+
+        Results that arrive after this are counted (hub/eval_late) and ignored.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            rnd = self.eval_round
+            assert rnd is not None, "wait_eval without start_eval"
+            while not rnd.done and not should_stop() and (remaining := deadline - time.monotonic()) > 0:
+                self.cond.wait(timeout=min(1.0, remaining))
+            self.eval_round = None
+        return rnd
 
     def set_max_staleness(self, k: int) -> None:
         if k < self.steps - 1:
@@ -316,11 +341,30 @@ class Hub:
             await self._send(identity, m.Error(code="rejected", detail=f"group has {n} samples, expected {expected}"))
         await self._pump()
 
+    async def _on_eval_result(self, identity: bytes, msg: m.EvalResult) -> None:
+        why = None
+        with self.cond:
+            state = self._known(msg.actor_id, identity)
+            rnd = self.eval_round
+            if state is not None and rnd is not None and msg.eval_round == rnd.round_id:
+                why = rnd.receive(msg)
+                if rnd.done:
+                    self.cond.notify_all()
+            elif state is not None:
+                self.counters["eval_late"] += 1  # its round already ended (timeout)
+        if state is None:
+            await self._unknown(identity, msg.actor_id)
+        elif why is not None:
+            self.log.warning("hub.eval_result_rejected", actor=msg.actor_id, why=why)
+            await self._send(identity, m.Error(code="rejected", detail=why))
+        await self._pump()
+
     _handlers: dict[type, Callable[[Hub, bytes, Any], Awaitable[None]]] = {
         m.Register: _on_register,
         m.Heartbeat: _on_heartbeat,
         m.WorkRequest: _on_work_request,
         m.RolloutGroup: _on_rollout,
+        m.EvalResult: _on_eval_result,
         m.WeightVersion: _on_weight_version,
     }
 
@@ -337,6 +381,7 @@ class Hub:
         """Grant prompts to actors with demand, as far as admission control allows."""
         sends: list[tuple[bytes, m.WorkGrant]] = []
         with self.cond:
+            evals = self._eval_grants()  # sent first: the learner is waiting on them
             capacity = st.admission_capacity(self.version, self.training, self.max_staleness, self.cfg.train.prompts_per_step, self._outstanding(), self.steps)
             min_version = st.min_grant_version(self.version)
             deadline = time.monotonic() + self.cfg.staleness.lease_s
@@ -357,12 +402,24 @@ class Hub:
                         prompt_id=key[1], epoch=key[0], prompt_tokens=prompt.tokens, answer=prompt.answer,
                         policy_version=min_version, lease_s=self.cfg.staleness.lease_s)))
             self.counters["granted"] += len(sends)
-        for identity, grant in sends:
+        for identity, grant in [*evals, *sends]:
             await self._send(identity, grant)
+
+    def _eval_grants(self) -> list[tuple[bytes, m.EvalGrant]]:
+        """Caller holds the lock: prompts of the open eval round for the actors serving exactly its version."""
+        rnd = self.eval_round
+        if rnd is None:
+            return []
+        ready = [a for a, s in self.actors.items() if s.served_version == rnd.version]
+        out = [(self.actors[a].identity, grant) for a, grant in rnd.assign(ready, self.cfg.actor.max_groups, time.monotonic())]
+        self.counters["eval_granted"] += len(out)
+        return out
 
     def _release(self, actor_id: str, why: str) -> None:
         """Caller holds the lock: forget an actor and requeue what it held."""
         state = self.actors.pop(actor_id)
+        if self.eval_round is not None:
+            self.eval_round.release_actor(actor_id)
         for key in list(state.held):
             if self.ledger.entries[key].actor == actor_id:
                 self.ledger.requeue(key, "dead")
@@ -378,6 +435,8 @@ class Hub:
                     self._release(actor_id, "heartbeat timeout")
                     self.counters["actors_lost"] += 1
                 expired = self.ledger.expire(now)
+                if self.eval_round is not None:
+                    self.eval_round.expire(now)
                 for key in expired:
                     for state in self.actors.values():
                         state.held.discard(key)

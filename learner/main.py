@@ -3,12 +3,14 @@
     rank 0:  take a batch of admissible groups (blocks) -> advantages -> scatter shares -+
     ranks 1..N-1:                                          receive their share <---------+
     every rank:  update (S optimizer steps, DeepSpeed)  ->  weight snapshot (collective under ZeRO-3)
-    rank 0:  version += S -> ledger: trained; grants resume -> broadcast weights to the actors -> metrics
+    rank 0:  version += S -> ledger: trained; grants resume -> broadcast weights to the actors
+             -> every eval.every_steps: the actors evaluate this version (learner/evaluation.py)
+             -> every checkpoint.every_steps: Hugging Face checkpoint of the snapshot (learner/checkpoint.py)
+             -> metrics
 """
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
@@ -17,10 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from learner.data import load_prompts
+from learner.checkpoint import CheckpointManager, hf_writer
+from learner.data import load_datasets
 from learner.distributed import Topology, init_distributed, make_topology
+from learner.evaluation import Evaluator
 from learner.hub import Hub
 from learner.metrics import MetricsWriter
+from learner.plan import make_plan, render
 from learner.shard import Share, scatter_shares
 from learner.trainer import StepLayout, Trainer, make_shares
 from learner.weight_sync import WeightSender
@@ -44,12 +49,6 @@ def wait_for_batch(hub: Hub, n: int, stop: dict, log, report_s: float = 30.0):
     return None
 
 
-def step_layout(cfg: Config, dp_size: int) -> StepLayout:
-    per_rank = cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.train.mini_batches // dp_size
-    return StepLayout(mini_batches=cfg.train.mini_batches, ppo_epochs=cfg.train.ppo_epochs, micro_samples=cfg.train.micro_batch_samples,
-                      accumulation=math.ceil(per_rank / cfg.train.micro_batch_samples))
-
-
 def run_learner(cfg: Config) -> int:
     """Every learner rank runs this; rank 0 also runs the hub, the weight sender and the metrics."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
@@ -65,15 +64,25 @@ def run_learner(cfg: Config) -> int:
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.run.seed)
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    data = load_datasets(cfg, tokenizer) if topo.is_root else None
+    # Followers need only the batch arithmetic, which does not depend on the prompt count.
+    plan = make_plan(cfg, num_prompts=len(data.train) if data is not None else cfg.train.prompts_per_step)
+    if plan.learner_ranks != topo.world:
+        raise ValueError(f"cluster: the plan has {plan.learner_ranks} learner ranks "
+                         f"(learner_nodes x learner_gpus_per_node, or debug_gpus), torchrun started {topo.world}")
+    layout = StepLayout(mini_batches=plan.mini_batches, ppo_epochs=plan.ppo_epochs, micro_samples=plan.micro_batch,
+                        accumulation=plan.accumulation)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-    layout = step_layout(cfg, topo.dp_size)
     trainer = Trainer(cfg, model, topo, layout)
-    if topo.is_root:
-        (run_dir / "config.toml").write_text(dump_toml(cfg))
-        return _run_root(cfg, topo, trainer, run_dir, log)
-    return _run_follower(cfg, topo, trainer, log)
+    if not topo.is_root:
+        return _run_follower(cfg, topo, trainer, log)
+    assert data is not None
+    (run_dir / "config.toml").write_text(dump_toml(cfg))
+    log.info("learner.plan", text="\n" + render(plan))
+    return _run_root(cfg, topo, trainer, tokenizer, data, plan.rollout_batches, run_dir, log)
 
 
 def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
@@ -92,18 +101,20 @@ def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
     return 0
 
 
-def _run_root(cfg: Config, topo: Topology, trainer: Trainer, run_dir: Path, log) -> int:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    prompts = load_prompts(cfg.data, tokenizer)
+def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, total_updates: int, run_dir: Path, log) -> int:
+    prompts = data.train
     hub = Hub(cfg, prompts)
     hub.start()
-    sender = WeightSender(cfg.weights, [n for n, _ in trainer.named_parameters()], trainer.full_shapes(), cfg.model.dtype)
+    names = [n for n, _ in trainer.named_parameters()]
+    sender = WeightSender(cfg.weights, names, trainer.full_shapes(), cfg.model.dtype)
     metrics = MetricsWriter(run_dir)
+    evaluator = Evaluator(cfg, data.eval_sets(), hub)
+    # Checkpoints are written from the weight snapshot rank 0 already holds: full weights even under ZeRO-3.
+    checkpoints = CheckpointManager(cfg.checkpoint, run_dir, hf_writer(trainer.engine.module, tokenizer, sender.state_dict))
     params = sum(int(np.prod(s)) for s in trainer.full_shapes())
-    log.info("learner.ready", prompts=len(prompts), params=params, ranks=topo.world, dp=topo.dp_size, sp=topo.sp_size,
-             steps_per_update=trainer.layout.steps, hub=cfg.hub.bind, weight_port=sender.port)
+    log.info("learner.ready", prompts=len(prompts), eval_prompts={k: len(v) for k, v in data.eval_sets().items()}, params=params,
+             ranks=topo.world, dp=topo.dp_size, sp=topo.sp_size, steps_per_update=trainer.layout.steps, hub=cfg.hub.bind,
+             weight_port=sender.port)
 
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
@@ -111,7 +122,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, run_dir: Path, log)
     version, updates = 0, 0
     steps = trainer.layout.steps
     try:
-        while updates < cfg.train.total_steps and not stop["flag"]:
+        while updates < total_updates and not stop["flag"]:
             t0 = time.perf_counter()
             batch = wait_for_batch(hub, cfg.train.prompts_per_step, stop, log)
             if batch is None:
@@ -132,6 +143,10 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, run_dir: Path, log)
             hub.finish_update(version, [item.key for item in batch])
             sync = sender.sync(version, hub, lambda out: trainer.snapshot(sender.buckets, sender.torch_dtype, out))
             step_s = time.perf_counter() - t0
+            last = updates >= total_updates
+            # Blocks until the actors answer (time/eval, not in time/step); no newer weights go out meanwhile,
+            # so `version` is what they serve.
+            evals = evaluator.run(version, updates, last, should_stop=lambda: stop["flag"])
             stale = [version - steps - g.version_min for g in groups]
             reward_mean = float(np.mean([g.rewards.mean() for g in groups]))
             row = {
@@ -141,17 +156,19 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, run_dir: Path, log)
                 "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
                 "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
                 "grad_norm": stats.grad_norm, "adv_abs_mean": float(advantages.abs().mean()), "max_staleness": k,
-                "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(),
+                "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
             }
+            row.update(checkpoints.maybe_save(updates, row, last))
             metrics.write(row)
             log.info("learner.step", step=updates, version=version, reward=round(reward_mean, 3), staleness_max=max(stale),
                      mismatch=None if stats.on_policy_tokens == 0 else float(f"{stats.logprob_mismatch:.2e}"),
                      wait_s=round(t_wait, 2), train_s=round(t_train, 2), sync_s=round(sync["time/weight_sync"], 3), broadcast_s=round(sync.get("time/broadcast", 0.0), 3))
+        checkpoints.maybe_save(updates, {}, last=True)  # stopped early (SIGTERM): keep what was trained
     finally:
         if topo.world > 1:
             scatter_shares(topo, [Share(samples=[], mini_batch_tokens=[], stop=True)] * topo.dp_size)
         sender.wait()
-        hub.stop("run finished" if updates >= cfg.train.total_steps else "learner stopping")
+        hub.stop("run finished" if updates >= total_updates else "learner stopping")
         metrics.close()
         plot = metrics.plot()
         hub.ledger.check()

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from learner import staleness as st
-from learner.batch import Sample, group_samples, make_micro_batch, token_logprobs
+from learner.advantages import GroupAdvantage, make_advantage
+from learner.batch import MicroBatch, group_samples, make_micro_batch, token_logprobs
 from learner.distributed import Topology
-from learner.losses import ADVANTAGES, ppo_clip_loss
+from learner.losses import make_policy_loss, token_entropy, value_loss
 from learner.shard import Share, split_rollout_batch
 from protocol.config import Config
 from protocol.messages import RolloutGroup
@@ -44,7 +45,7 @@ class StepLayout:
         return self.mini_batches * self.ppo_epochs
 
 
-def deepspeed_config(cfg: Config, layout: StepLayout) -> dict:
+def deepspeed_config(cfg: Config, layout: StepLayout, lr: float) -> dict:
     return {
         "train_micro_batch_size_per_gpu": layout.micro_samples,
         "gradient_accumulation_steps": layout.accumulation,
@@ -52,11 +53,11 @@ def deepspeed_config(cfg: Config, layout: StepLayout) -> dict:
         "optimizer": {
             "type": "AdamW",
             # torch_adam: DeepSpeed's fused CPU Adam needs a compiled op that the CPU build lacks.
-            "params": {"lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, "betas": [0.9, 0.999], "torch_adam": True},
+            "params": {"lr": lr, "weight_decay": cfg.train.weight_decay, "betas": [0.9, 0.999], "torch_adam": True},
         },
         "scheduler": {
             "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.train.lr, "warmup_num_steps": max(1, cfg.train.warmup_steps), "warmup_type": "linear"},
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": max(1, cfg.train.warmup_steps), "warmup_type": "linear"},
         },
         "zero_optimization": {"stage": cfg.train.zero_stage},
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
@@ -74,12 +75,15 @@ class UpdateStats:
     on_policy_tokens: int
     clip_frac: float
     grad_norm: float  # of the last optimizer step
+    extra: dict[str, float]  # namespaced extras: kl, entropy, value loss, importance weights
 
 
 def make_shares(cfg: Config, groups: list[RolloutGroup], version: int, max_staleness: int, dp_size: int) -> tuple[list[Share], torch.Tensor]:
     """Rank 0: group-level advantages, then the samples cut into one share per DP rank."""
     rewards = torch.from_numpy(np.stack([g.rewards for g in groups]).astype(np.float32))
-    advantages = ADVANTAGES[cfg.algo.advantage](rewards)
+    unit = make_advantage(cfg.algo)
+    # Group advantages need the whole group, so rank 0 computes them; GAE is per sample and runs on each rank.
+    advantages = unit.per_sample(rewards) if isinstance(unit, GroupAdvantage) else torch.zeros_like(rewards)
     samples = [s for g, adv in zip(groups, advantages, strict=True) for s in group_samples(g, adv)]
     shares = split_rollout_batch(samples, cfg.train.mini_batches, dp_size, seed=cfg.run.seed * 1_000_003 + version,
                                  version=version, max_staleness=max_staleness)
@@ -91,9 +95,23 @@ class Trainer:
         import deepspeed
 
         self.cfg, self.topo, self.layout = cfg, topo, layout
+        self.advantage = make_advantage(cfg.algo)
+        self.policy_loss = make_policy_loss(cfg.algo)
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=deepspeed_config(cfg, layout))
+            config=deepspeed_config(cfg, layout, cfg.train.lr))
+        self.critic = self.reference = None
+        if self.advantage.needs_critic:
+            from learner.critic import Critic
+
+            critic = Critic.from_pretrained(cfg.algo.critic_path or cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+            self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
+                                                   config=deepspeed_config(cfg, layout, cfg.algo.critic_lr))
+        if self.policy_loss.needs_reference or cfg.algo.keep_reference:
+            from learner.reference import ReferencePolicy
+
+            self.reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+            self.reference.model.to(topo.device)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.engine.module.named_parameters())
@@ -133,39 +151,89 @@ class Trainer:
         for s in share.samples:  # the hard invariant, checked once more where it matters
             assert st.admissible(version, s.version_min, max_staleness, steps), (
                 f"sample of version {s.version_min} in update {version} -> {version + steps} breaks max_staleness={max_staleness}")
-        per_mb = len(share.samples) // self.layout.mini_batches
-        micro = self.layout.micro_samples
+        per_mb, micro = len(share.samples) // self.layout.mini_batches, self.layout.micro_samples
+        # Micro-batches are built once; mini-batch j holds micro[j], its token count is share.mini_batch_tokens[j].
+        micro_batches = [[make_micro_batch(share.samples[j * per_mb + i : j * per_mb + min(i + micro, per_mb)], version)
+                          for i in range(0, per_mb, micro)] for j in range(self.layout.mini_batches)]
+        assert all(len(m) == self.layout.accumulation for m in micro_batches), (f"micro-batches {[len(m) for m in micro_batches]} of {len(share.samples)} samples do not match DeepSpeed's accumulation {self.layout}")
+        extras = [[self._prepare(mb) for mb in mbs] for mbs in micro_batches]
         scale = float(self.topo.world)  # DeepSpeed averages gradients over the ranks; the loss is a sum
         self.engine.train()
         steps_before = self.engine.global_steps
-        sums = torch.zeros(5, dtype=torch.float64)  # loss, clipped tokens, mismatch sum, on-policy tokens, tokens
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
         for epoch in range(self.layout.ppo_epochs):
             for j in range(self.layout.mini_batches):
-                mb_samples = share.samples[j * per_mb : (j + 1) * per_mb]
-                total_tokens = share.mini_batch_tokens[j]
-                chunks = [mb_samples[i : i + micro] for i in range(0, len(mb_samples), micro)]
-                assert len(chunks) == self.layout.accumulation, f"{len(chunks)} micro-batches, DeepSpeed expects {self.layout.accumulation}"
-                first_step = epoch == 0 and j == 0
-                for chunk in chunks:
-                    sums += self._micro_step(chunk, version + epoch * self.layout.mini_batches + j, total_tokens, scale, first_step)
-                    # DeepSpeed counts micro-steps: step() after every backward, the optimizer runs at the boundary.
-                    self.engine.step()
+                for mb, extra in zip(micro_batches[j], extras[j], strict=True):
+                    sums += self._micro_step(mb, extra, share.mini_batch_tokens[j], scale, first_step=epoch == 0 and j == 0)
         assert self.engine.global_steps == steps_before + steps, "DeepSpeed did not take exactly S optimizer steps"
         if self.topo.world > 1:
             dist.all_reduce(sums)
-        loss, clipped, mismatch, on_policy, tokens = sums.tolist()
+        total = dict(zip(_SUMS, sums.tolist(), strict=True))
+        tokens, on_policy = total["tokens"], total["on_policy"]
         grad_norm = self.engine.get_global_grad_norm()
+        extra = {k: total[k] / tokens for k in ("loss/kl", "loss/entropy", "loss/iw_mean", "loss/value_clip_frac") if tokens}
+        if self.critic is not None:
+            extra["loss/value"] = total["loss/value"] / steps
         return UpdateStats(
-            loss=loss / steps, samples=len(share.samples) * self.topo.dp_size, tokens=int(tokens) // self.layout.ppo_epochs,
-            logprob_mismatch=mismatch / on_policy if on_policy else float("nan"), on_policy_tokens=int(on_policy),
-            clip_frac=clipped / tokens if tokens else 0.0, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"))
+            loss=total["loss"] / steps, samples=len(share.samples) * self.topo.dp_size, tokens=int(tokens) // self.layout.ppo_epochs,
+            logprob_mismatch=total["mismatch"] / on_policy if on_policy else float("nan"), on_policy_tokens=int(on_policy),
+            clip_frac=total["clipped"] / tokens if tokens else 0.0, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            extra=extra)
 
-    def _micro_step(self, chunk: list[Sample], step_version: int, total_tokens: int, scale: float, first_step: bool) -> torch.Tensor:
-        mb = make_micro_batch(chunk, step_version)
+    @torch.no_grad()
+    def _prepare(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """Before the first step: what must come from the weights as they were (prox, reference, old values, GAE)."""
+        out: dict[str, torch.Tensor] = {}
+        if self.policy_loss.needs_prox and self.layout.steps > 1:
+            self.engine.eval()
+            out["prox"] = self._logprobs(mb).detach()
+        if self.reference is not None:
+            out["ref"] = self.reference.logprobs(mb, self.cfg.rollout.temperature).cpu()
+        if self.critic is not None:
+            self.critic.eval()
+            values = self.critic(input_ids=mb.input_ids.to(self.topo.device), attention_mask=mb.attention_mask.to(self.topo.device))
+            old = values[mb.score_rows.to(values.device), mb.score_cols.to(values.device)].float().cpu()
+            adv = self.advantage(mb.rewards, mb.lengths, old)
+            assert adv.returns is not None
+            out.update(old_values=old, advantages=adv.tokens.float(), returns=adv.returns.float())
+        return out
+
+    def _logprobs(self, mb: MicroBatch) -> torch.Tensor:
         logits = self.engine(input_ids=mb.input_ids.to(self.topo.device), attention_mask=mb.attention_mask.to(self.topo.device)).logits
-        logp = token_logprobs(logits, mb, self.cfg.rollout.temperature).cpu()
-        out = ppo_clip_loss(logp, mb.behaviour_logp, mb.token_adv, self.cfg.algo.clip_low, self.cfg.algo.tis_cap, total_tokens)
+        return token_logprobs(logits, mb, self.cfg.rollout.temperature).cpu()
+
+    def _micro_step(self, mb: MicroBatch, extra: dict[str, torch.Tensor], total_tokens: int, scale: float, first_step: bool) -> torch.Tensor:
+        self.engine.train()
+        logits = self.engine(input_ids=mb.input_ids.to(self.topo.device), attention_mask=mb.attention_mask.to(self.topo.device)).logits
+        dev = logits.device
+        picked = logits[mb.score_rows.to(dev), mb.score_cols.to(dev)].float() / self.cfg.rollout.temperature
+        logp = torch.log_softmax(picked, dim=-1).gather(1, mb.targets.to(dev)[:, None]).squeeze(1).cpu()
+        entropy = token_entropy(picked).cpu() if self.policy_loss.needs_entropy else None
+        prox = extra.get("prox", logp.detach()) if self.policy_loss.needs_prox else None  # S = 1: the weights have not moved yet
+        adv = extra.get("advantages", mb.token_adv)
+        out = self.policy_loss(logp, mb.behaviour_logp, adv, total_tokens, prox_logp=prox, ref_logp=extra.get("ref"), entropy=entropy)
         self.engine.backward(out.loss * scale, scale_wrt_gas=False)
-        diff = (logp.detach() - mb.behaviour_logp).abs()[mb.on_policy] if first_step else torch.zeros(0)
-        return torch.tensor([out.loss.item(), out.clip_frac.item() * len(logp), diff.sum().item(), diff.numel(), len(logp)],
-                            dtype=torch.float64)
+        # DeepSpeed counts micro-steps: step() after every backward, the optimizer runs at the boundary.
+        self.engine.step()
+        n = len(logp)
+        row = dict.fromkeys(_SUMS, 0.0)
+        row.update({"loss": out.loss.item(), "clipped": out.clip_frac.item() * n, "tokens": n})
+        if first_step:
+            diff = (logp.detach() - mb.behaviour_logp).abs()[mb.on_policy]
+            row.update(mismatch=diff.sum().item(), on_policy=diff.numel())
+        for key, value in (("loss/kl", out.kl_mean), ("loss/entropy", out.entropy_mean), ("loss/iw_mean", out.iw_mean)):
+            if value is not None:
+                row[key] = value.item() * n
+        if self.critic is not None:
+            self.critic.train()
+            values = self.critic(input_ids=mb.input_ids.to(self.topo.device), attention_mask=mb.attention_mask.to(self.topo.device))
+            v = value_loss(values[mb.score_rows.to(values.device), mb.score_cols.to(values.device)].float().cpu(), extra["old_values"], extra["returns"],
+                           self.cfg.algo.value_clip, total_tokens)
+            self.critic.backward(v.loss * scale, scale_wrt_gas=False)
+            self.critic.step()
+            row.update({"loss/value": v.loss.item(), "loss/value_clip_frac": v.clip_frac.item() * n})
+        return torch.tensor([row[k] for k in _SUMS], dtype=torch.float64)
+
+
+# Per-update sums over micro-batches and ranks (one all-reduce).
+_SUMS = ("loss", "clipped", "mismatch", "on_policy", "tokens", "loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac")

@@ -88,6 +88,15 @@ class WeightSender:
         out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": float(len(members))})
         return out
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The last snapshot as named full tensors (views of the buckets), for a checkpoint."""
+        assert self._flats is not None, "no snapshot yet: sync() has not run"
+        out: dict[str, torch.Tensor] = {}
+        for flat, bucket in zip(self._flats, self.buckets, strict=True):
+            views = wg.split_bucket(flat, [self.shapes[i] for i in bucket])
+            out.update(zip([self.names[i] for i in bucket], views, strict=True))
+        return out
+
     def wait(self) -> dict[str, float]:
         """Finish the broadcast in flight; report its duration, or its failure."""
         if self._thread is None:

@@ -108,6 +108,7 @@ class EvalConfig:
     greedy: bool = True  # greedy decoding for evaluation; false = sample like training
     samples: int = 1  # completions per eval prompt when sampling
     max_prompts: int = 0  # evaluate at most this many prompts per set (0 = all)
+    timeout_s: float = 300.0  # an eval round unfinished after this long is recorded partial (eval/*/prompts says how many)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -277,8 +278,13 @@ def _check(cfg: Config) -> None:
     need(cfg.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 = never)")
     need(cfg.eval.samples >= 1, "eval.samples", "must be >= 1")
     need(cfg.eval.max_prompts >= 0, "eval.max_prompts", "must be >= 0 (0 = all)")
+    need(cfg.eval.timeout_s > 0, "eval.timeout_s", "must be > 0")
     need(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+    scored = cfg.checkpoint.best_metric.startswith("eval/") and cfg.eval.every_steps > 0 and cfg.checkpoint.every_steps > 0
+    need(not scored or cfg.checkpoint.every_steps % cfg.eval.every_steps == 0, "checkpoint.every_steps",
+         f"{cfg.checkpoint.every_steps} must be a multiple of eval.every_steps ({cfg.eval.every_steps}), "
+         f"so every checkpoint gets a {cfg.checkpoint.best_metric} score")
     need(cfg.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0")
     need(cfg.staleness.lease_s > 0, "staleness.lease_s", "must be > 0")
     need(cfg.hub.bind.startswith("tcp://"), "hub.bind", "must be tcp://HOST:PORT")

@@ -129,6 +129,60 @@ class RolloutGroup(Message):
 
 
 @dataclass(kw_only=True, slots=True)
+class EvalGrant(Message):
+    """hub -> actor: generate for one evaluation prompt with the weights of exactly `policy_version`.
+
+    Evaluation work is outside the ledger and admission control: nothing here is trained on.
+    """
+
+    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {"prompt_tokens": ("int32", 1)}
+    eval_round: int  # evaluation round (one per evaluated policy version)
+    split: str  # eval set: "val" | "test"
+    prompt_id: int  # index into that set
+    prompt_tokens: np.ndarray  # int32 [prompt_len]
+    answer: str  # reference answer for the reward function
+    policy_version: int  # the version under evaluation; no newer weights are sent until the round ends
+    n: int  # completions to generate (1 when greedy)
+    temperature: float  # 0.0 = greedy
+    seed: int  # sampling seed for this prompt: a re-granted prompt samples the same way
+    lease_s: float  # the hub re-grants the prompt to another actor after this many seconds
+
+    def check(self) -> None:
+        if self.prompt_tokens.shape[0] == 0:
+            raise ProtocolError("EvalGrant.prompt_tokens: empty prompt")
+        if self.n < 1 or self.temperature < 0:
+            raise ProtocolError(f"EvalGrant: n={self.n} must be >= 1 and temperature={self.temperature} >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalResult(Message):
+    """actor -> hub: the scored completions of one EvalGrant (no tokens: an eval result is never trained on)."""
+
+    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {"lengths": ("int32", 1), "rewards": ("float32", 1)}
+    actor_id: str
+    eval_round: int
+    split: str
+    prompt_id: int
+    lengths: np.ndarray  # int32 [n]: tokens in each completion
+    rewards: np.ndarray  # float32 [n]
+    finish_reasons: list[str]  # per completion: "stop" | "length"
+    version_min: int  # version of the weights at the first token
+    version_max: int  # version at the last token (the hub accepts only min == max == the grant's version)
+    gen_s: float  # seconds from grant start to the last token
+
+    def check(self) -> None:
+        n = self.lengths.shape[0]
+        if n == 0:
+            raise ProtocolError("EvalResult.lengths: no completions")
+        if self.rewards.shape[0] != n or len(self.finish_reasons) != n:
+            raise ProtocolError(f"EvalResult: {n} completions but {self.rewards.shape[0]} rewards, {len(self.finish_reasons)} finish reasons")
+        if self.version_max < self.version_min:
+            raise ProtocolError("EvalResult: version_max < version_min")
+        if not np.isfinite(self.rewards.sum()):
+            raise ProtocolError("EvalResult: non-finite reward")
+
+
+@dataclass(kw_only=True, slots=True)
 class WeightSync(Message):
     """hub -> actor: join weight-group `group_epoch` and receive version `policy_version`.
 
@@ -182,5 +236,8 @@ class Shutdown(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.__name__: cls
-    for cls in (Register, RegisterAck, Heartbeat, WorkRequest, WorkGrant, RolloutGroup, WeightSync, WeightVersion, Error, Shutdown)
+    for cls in (
+        Register, RegisterAck, Heartbeat, WorkRequest, WorkGrant, RolloutGroup, EvalGrant, EvalResult, WeightSync,
+        WeightVersion, Error, Shutdown,
+    )
 }

@@ -3,6 +3,9 @@
 Used to test the hub (admission, the staleness check, leases, the ledger) without
 starting vLLM. `lie_every`: every n-th group claims a version older than the bound
 allows, as a buggy or hostile actor would; the hub must never let it be trained.
+Eval grants are answered with `eval_reward(split, prompt_id)` per completion;
+`die_on_eval` makes the actor vanish (no reply, no more heartbeats) on its first
+eval grant, as a crashed actor would.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 import zmq
@@ -20,10 +25,15 @@ from protocol import transport
 
 
 class ScriptedActor:
-    def __init__(self, addr: str, actor_id: str, n: int, delay_s: float, seed: int, lie_every: int = 0, lie_by: int = 0):
+    def __init__(self, addr: str, actor_id: str, n: int, delay_s: float, seed: int, lie_every: int = 0, lie_by: int = 0,
+                 heartbeat_s: float = 0.0, eval_reward: Callable[[str, int], float] = lambda split, pid: 1.0,
+                 die_on_eval: bool = False):
         self.addr, self.actor_id, self.n, self.delay_s = addr, actor_id, n, delay_s
         self.rng = random.Random(seed)
         self.lie_every, self.lie_by = lie_every, lie_by
+        self.heartbeat_s, self.eval_reward, self.die_on_eval = heartbeat_s, eval_reward, die_on_eval
+        self.eval_grants: list[m.EvalGrant] = []  # every eval grant received
+        self.eval_answered = 0
         self.served = 0
         self.target_version = 0  # set by the test when the learner steps (stands in for the weight sync)
         self.sent = 0
@@ -56,7 +66,21 @@ class ScriptedActor:
                 version_min=version, version_max=version, gen_s=0.0, reward_s=0.0))
             await transport.send(sock, m.WorkRequest(actor_id=self.actor_id, max_prompts=4))
 
+        async def answer(grant: m.EvalGrant):
+            while self.served < grant.policy_version:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(self.delay_s * self.rng.random())
+            await transport.send(sock, m.EvalResult(
+                actor_id=self.actor_id, eval_round=grant.eval_round, split=grant.split, prompt_id=grant.prompt_id,
+                lengths=np.full(grant.n, 2, np.int32), rewards=np.full(grant.n, self.eval_reward(grant.split, grant.prompt_id), np.float32),
+                finish_reasons=["stop"] * grant.n, version_min=self.served, version_max=self.served, gen_s=0.0))
+            self.eval_answered += 1
+
+        last_beat = time.monotonic()
         while not self.stop.is_set():
+            if self.heartbeat_s and time.monotonic() - last_beat > self.heartbeat_s:
+                last_beat = time.monotonic()
+                await transport.send(sock, m.Heartbeat(actor_id=self.actor_id, served_version=self.served, groups_in_flight=0))
             if self.served < self.target_version:
                 self.served = self.target_version
                 await transport.send(sock, m.WeightVersion(actor_id=self.actor_id, served_version=self.served, group_epoch=0, load_s=0.0))
@@ -67,6 +91,13 @@ class ScriptedActor:
                 await transport.send(sock, m.WorkRequest(actor_id=self.actor_id, max_prompts=4))
             elif isinstance(msg, m.WorkGrant):
                 t = asyncio.ensure_future(run(msg))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            elif isinstance(msg, m.EvalGrant):
+                self.eval_grants.append(msg)
+                if self.die_on_eval:
+                    break  # crashed: the grants it holds are never answered
+                t = asyncio.ensure_future(answer(msg))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
             elif isinstance(msg, m.Shutdown):

@@ -1,5 +1,6 @@
 """One short run with everything real: `fleetrl demo` starts a learner and an actor process
-(vLLM engine, ZeroMQ sockets, DeepSpeed, gloo weight group) and trains a few steps."""
+(vLLM engine, ZeroMQ sockets, DeepSpeed, gloo weight group) and trains a few steps, with the
+actor evaluating the held-out prompts greedily every 3 steps and Hugging Face checkpoints."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from protocol.net import free_port
 
@@ -15,11 +17,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
-    steps, prompts, n, k = 6, 8, 4, 1
+    steps, prompts, n, k, every = 6, 8, 4, 1, 3
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "deploy.cli", "demo", f"run.dir={run_dir}", "demo.num_actors=1", f"train.total_steps={steps}",
            f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}", f"staleness.max_staleness={k}",
-           f"hub.bind=tcp://127.0.0.1:{free_port()}", f"model.path={tiny_model_dir}", "train.micro_batch_samples=16"]
+           f"hub.bind=tcp://127.0.0.1:{free_port()}", f"model.path={tiny_model_dir}", "train.micro_batch_samples=16",
+           "data.val_fraction=0.2", f"eval.every_steps={every}", "eval.greedy=true", f"checkpoint.every_steps={every}", "checkpoint.keep=1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -39,3 +42,33 @@ def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
     assert all("role" in e and "policy_version" in e for e in learner_log)
     actor_log = [json.loads(x) for x in (run_dir / "logs" / "actor-actor0.jsonl").read_text().splitlines()]
     assert any(e["event"] == "actor.registered" for e in actor_log) and all(e["actor_id"] == "actor0" for e in actor_log)
+
+    # Evaluation: the actor answered every validation prompt greedily, for the version the row names.
+    evals = {r["step"]: r for r in rows if "eval/val/reward_mean" in r}
+    assert sorted(evals) == [3, 6]
+    for step, r in evals.items():
+        assert r["eval/policy_version"] == step and r["eval/partial"] == 0 and r["eval/val/prompts"] == 20
+        assert 0 <= r["eval/val/reward_mean"] <= 1
+    assert rows[-1]["hub/eval_granted"] == 40  # 20 prompts x 2 rounds, none lost or re-granted
+    # Checkpoints: step-6 (newest, keep = 1) plus the best; best.json names the better of the two.
+    ckpt_dir = run_dir / "checkpoints"
+    best = json.loads((ckpt_dir / "best.json").read_text())
+    scores = {s: evals[s]["eval/val/reward_mean"] for s in (3, 6)}
+    assert best["step"] == (6 if scores[6] > scores[3] else 3) and best["value"] == scores[best["step"]]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == sorted({"best.json", "step-6", f"step-{best['step']}"})
+    # The checkpoint reloads with transformers, and its greedy answers score what the vLLM actor measured.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from learner.data import addition_items, split_holdout
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt_dir / "step-6", dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), start.parameters(), strict=True))  # trained weights
+    tok = AutoTokenizer.from_pretrained(ckpt_dir / "step-6")
+    _, val = split_holdout(addition_items(), 0.2, seed=0)
+    right = 0
+    for text, answer in val:
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        right += tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == answer
+    assert right / len(val) == scores[6], (right, scores)

@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from learner.distributed import init_distributed, make_topology  # noqa: E402
-from learner.main import step_layout  # noqa: E402
+from learner.plan import make_plan  # noqa: E402
 from learner.shard import scatter_shares  # noqa: E402
-from learner.trainer import Trainer, make_shares  # noqa: E402
+from learner.trainer import StepLayout, Trainer, make_shares  # noqa: E402
 from protocol import weights as wg  # noqa: E402
 from protocol.config import load_config  # noqa: E402
 from protocol.messages import RolloutGroup  # noqa: E402
@@ -52,9 +52,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
-    trainer = Trainer(cfg, model, topo, step_layout(cfg, topo.dp_size))
+    plan = make_plan(cfg, num_prompts=100)
+    layout = StepLayout(mini_batches=plan.mini_batches, ppo_epochs=plan.ppo_epochs, micro_samples=plan.micro_batch, accumulation=plan.accumulation)
+    trainer = Trainer(cfg, model, topo, layout)
     buckets = wg.plan_buckets(trainer.full_shapes(), 4, 1 << 20)
-    losses, grad_norms, version, flats = [], [], 0, None
+    losses, grad_norms, extras, version, flats = [], [], [], 0, None
     for update in range(cfg.train.total_steps):
         shares = make_shares(cfg, groups_for(update, version, cfg), version, cfg.staleness.max_staleness, topo.dp_size)[0] if topo.is_root else None
         stats = trainer.update(scatter_shares(topo, shares))
@@ -62,10 +64,11 @@ def main() -> None:
         version += trainer.layout.steps
         losses.append(stats.loss)
         grad_norms.append(stats.grad_norm)
+        extras.append(stats.extra)
     if topo.is_root:
         assert flats is not None
         weights = torch.cat(flats)
-        Path(out_path).write_text(json.dumps({"losses": losses, "grad_norms": grad_norms, "version": version, "samples": stats.samples,
+        Path(out_path).write_text(json.dumps({"losses": losses, "grad_norms": grad_norms, "extras": extras, "version": version, "samples": stats.samples,
                                               "weight_sum": float(weights.double().sum()), "weight_abs": float(weights.double().abs().sum()),
                                               "world": topo.world}))
 

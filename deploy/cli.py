@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from protocol.config import ConfigError, load_config
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleetrl: config error: {e}", file=sys.stderr)
         return 2
     if args.command == "learner":
+        ranks = cfg.cluster.debug_gpus or cfg.cluster.learner_nodes * cfg.cluster.learner_gpus_per_node
+        if ranks > 1 and "RANK" not in os.environ:
+            return _exec_torchrun(cfg, ranks, argv if argv is not None else sys.argv[1:])
         from learner.main import run_learner
 
         return run_learner(cfg)
@@ -57,6 +61,23 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging("launcher")
     return run_demo(cfg)
+
+
+def _exec_torchrun(cfg, ranks: int, argv: list[str]) -> int:
+    """One command starts the whole learner group on this node: re-run this command under torchrun.
+
+    Several nodes need one torchrun per node with a shared rendezvous: deploy/learner.sh.
+    """
+    if cfg.cluster.learner_nodes > 1 and not cfg.cluster.debug_gpus:
+        print(f"fleetrl: cluster.learner_nodes = {cfg.cluster.learner_nodes}: start each node with deploy/learner.sh "
+              "(torchrun with a shared rendezvous)", file=sys.stderr)
+        return 2
+    from protocol.net import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "deploy.cli", *argv]
+    os.execv(sys.executable, cmd)  # keeps the PID: a supervisor's SIGTERM reaches torchrun, which stops every rank
+    return 1  # not reached
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from learner.data import load_datasets
 from learner.distributed import Topology, init_distributed, make_topology
 from learner.evaluation import Evaluator
 from learner.hub import Hub
+from learner.intake import take_update_batch
 from learner.metrics import MetricsWriter
 from learner.plan import make_plan, render
 from learner.shard import Share, scatter_shares
@@ -33,20 +34,6 @@ from protocol import weights as wg
 from protocol.config import Config, dump_toml, parse_cpus
 from protocol.logs import set_context, setup_logging
 from protocol.net import pin_cpus
-
-
-def wait_for_batch(hub: Hub, n: int, stop: dict, log, report_s: float = 30.0):
-    """take_batch, but wakes up to honour SIGTERM and to say what it waits for. None when stopping."""
-    waited = 0.0
-    while not stop["flag"]:
-        try:
-            return hub.take_batch(n, timeout_s=1.0)
-        except TimeoutError:
-            waited += 1.0
-            if waited % report_s == 0:
-                snap = hub.snapshot()
-                log.info("learner.waiting_for_rollouts", waited_s=waited, actors=snap["hub/actors"], buffered=snap["hub/buffered"], need=n)
-    return None
 
 
 def run_learner(cfg: Config) -> int:
@@ -124,9 +111,10 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     try:
         while updates < total_updates and not stop["flag"]:
             t0 = time.perf_counter()
-            batch = wait_for_batch(hub, cfg.train.prompts_per_step, stop, log)
-            if batch is None:
+            taken = take_update_batch(hub, cfg, stop, log)
+            if taken is None:
                 break
+            batch, filtered = taken
             t_wait = time.perf_counter() - t0
             k = hub.max_staleness
             groups = [item.group for item in batch]
@@ -134,13 +122,13 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                 shares, advantages = make_shares(cfg, groups, version, k, topo.dp_size)
                 stats = trainer.update(scatter_shares(topo, shares))
             except Exception:
-                hub.abort_update(batch)
+                hub.abort_update(batch + filtered)
                 raise
             t_train = time.perf_counter() - t0 - t_wait
             version += steps
             updates += 1
             set_context(policy_version=version)
-            hub.finish_update(version, [item.key for item in batch])
+            hub.finish_update(version, [item.key for item in batch + filtered])
             sync = sender.sync(version, hub, lambda out: trainer.snapshot(sender.buckets, sender.torch_dtype, out))
             step_s = time.perf_counter() - t0
             last = updates >= total_updates
@@ -156,7 +144,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                 "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
                 "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
                 "grad_norm": stats.grad_norm, "adv_abs_mean": float(advantages.abs().mean()), "max_staleness": k,
-                "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
+                "groups_filtered": len(filtered), "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
             }
             row.update(checkpoints.maybe_save(updates, row, last))
             metrics.write(row)

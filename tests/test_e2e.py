@@ -72,3 +72,32 @@ def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
         out = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         right += tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == answer
     assert right / len(val) == scores[6], (right, scores)
+
+
+def test_two_learner_ranks_zero3_with_mini_batches(tmp_path, tiny_model_dir):
+    """The learner group as a lab runs it, small: `fleetrl learner` starts 2 ranks itself (torchrun), ZeRO-3
+    shards the weights, each update takes 2 optimizer steps, and the weights the actor receives are the
+    gathered ZeRO-3 ones: its logprobs must still match the learner's."""
+    updates, prompts, n = 4, 4, 4
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "deploy.cli", "demo", f"run.dir={run_dir}", "demo.num_actors=1", f"train.total_steps={updates}",
+           f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}", "staleness.max_staleness=1",
+           f"hub.bind=tcp://127.0.0.1:{free_port()}", f"model.path={tiny_model_dir}", "train.micro_batch_samples=4",
+           "train.mini_batches=2", "train.zero_stage=3", "cluster.learner_gpus_per_node=2", "checkpoint.every_steps=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["policy_version"] for r in rows] == [2, 4, 6, 8]  # versions count optimizer steps: 2 per update
+    assert all(r["samples"] == prompts * n and r["staleness_max"] <= 0 for r in rows)  # k = S - 1 = 1: on-policy batches
+    mismatches = [r["logprob_mismatch"] for r in rows if r["logprob_mismatch"] is not None]
+    assert mismatches and max(mismatches) < 1e-4, mismatches  # gathered ZeRO-3 weights reached the engine intact
+    rank1 = [json.loads(x) for x in (run_dir / "logs" / "learner-rank1.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "learner.done" and e["updates"] == updates for e in rank1)
+    # The checkpoint, written from the gathered snapshot, holds the full trained weights.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step-4", dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert all(a.shape == b.shape for a, b in zip(model.parameters(), start.parameters(), strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), start.parameters(), strict=True))

@@ -1,0 +1,61 @@
+"""Rank 0's intake with algo.filter_equal_rewards: equal-reward groups are consumed and the batch topped up."""
+
+import threading
+import time
+
+import numpy as np
+import structlog
+from conftest import rollout_group
+
+from deploy.tiny import build_tokenizer
+from learner.data import PromptSet, addition_items
+from learner.hub import Accepted, Hub
+from learner.intake import MAX_FILTERED_BATCHES, take_update_batch
+from learner.ledger import State
+from protocol.config import load_config
+
+
+def _hub_with(rewards: list[list[float]], *overrides: str) -> Hub:
+    """A hub (thread not started) whose buffer holds one received group per reward row."""
+    cfg = load_config(None, ["rollout.samples_per_prompt=3", "train.prompts_per_step=2", *overrides])
+    hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()))
+    for row in rewards:
+        key = hub.ledger.next_pending()
+        hub.ledger.grant(key, "a0", time.monotonic() + 60)
+        assert hub.ledger.receive(key)
+        group = rollout_group(n=3, prompt_id=key[1], epoch=key[0])
+        group.rewards = np.asarray(row, dtype=np.float32)
+        hub.buffer.append(Accepted(key, group, time.monotonic()))
+    return hub
+
+
+def test_filter_consumes_equal_groups_and_tops_up():
+    hub = _hub_with([[1, 1, 1], [0, 1, 0], [0, 0, 0], [1, 0, 1]], "algo.filter_equal_rewards=true")
+    kept, filtered = take_update_batch(hub, hub.cfg, {"flag": False}, structlog.get_logger())
+    assert [list(i.group.rewards) for i in kept] == [[0, 1, 0], [1, 0, 1]]
+    assert [list(i.group.rewards) for i in filtered] == [[1, 1, 1], [0, 0, 0]]
+    assert not hub.buffer
+
+
+def test_without_filter_everything_trains():
+    hub = _hub_with([[1, 1, 1], [0, 1, 0]])
+    kept, filtered = take_update_batch(hub, hub.cfg, {"flag": False}, structlog.get_logger())
+    assert len(kept) == 2 and filtered == []
+
+
+def test_filter_gives_up_after_the_cap_and_keeps_the_update_size():
+    n = 2
+    rows = [[1.0, 1.0, 1.0]] * (MAX_FILTERED_BATCHES * n) + [[0, 1, 0]]
+    hub = _hub_with(rows, "algo.filter_equal_rewards=true")
+    kept, filtered = take_update_batch(hub, hub.cfg, {"flag": False}, structlog.get_logger())
+    assert len(kept) == n and len(kept) + len(filtered) == MAX_FILTERED_BATCHES * n
+    assert len(hub.buffer) == 1  # the informative group is still there for the next update
+
+
+def test_stopping_while_topping_up_returns_taken_groups_to_the_queue():
+    hub = _hub_with([[1, 1, 1], [0, 1, 0]], "algo.filter_equal_rewards=true")
+    keys = [item.key for item in hub.buffer]
+    stop = {"flag": False}
+    threading.Timer(1.5, lambda: stop.update(flag=True)).start()  # SIGTERM while it waits for a third group
+    assert take_update_batch(hub, hub.cfg, stop, structlog.get_logger()) is None
+    assert [hub.ledger.entries[k].state for k in keys] == [State.PENDING, State.PENDING]

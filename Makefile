@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) -m bench.channel
 	$(PY) -m bench.weight_sync
 	$(PY) -m bench.async_vs_sync
+	$(PY) -m bench.learner_zero
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -8,6 +8,7 @@ P tokens is scored by the logit at position P - 1 + j.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -79,7 +80,15 @@ def make_micro_batch(samples: list[Sample], version: int) -> MicroBatch:
     )
 
 
-def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
+class ScoredTokens(Protocol):
+    """Where the completion tokens sit in the logits: MicroBatch, PackedBatch, SequenceShard."""
+
+    score_rows: torch.Tensor
+    score_cols: torch.Tensor
+    targets: torch.Tensor
+
+
+def token_logprobs(logits: torch.Tensor, mb: ScoredTokens, temperature: float) -> torch.Tensor:
     """Logprobs [T] of the completion tokens under softmax(logits / temperature): the sampled distribution."""
     picked = logits[mb.score_rows, mb.score_cols].float() / temperature
     return torch.log_softmax(picked, dim=-1).gather(1, mb.targets[:, None]).squeeze(1)

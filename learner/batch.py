@@ -56,6 +56,9 @@ class MicroBatch:
     token_adv: torch.Tensor  # float32 [T]
     on_policy: torch.Tensor  # bool [T]: token's sample has staleness 0 (for logprob_mismatch)
 
+    def model_kwargs(self) -> dict:
+        return dict(input_ids=self.input_ids, attention_mask=self.attention_mask)
+
 
 def make_micro_batch(samples: list[Sample], version: int) -> MicroBatch:
     length = max(len(s.tokens) for s in samples)
@@ -80,15 +83,24 @@ def make_micro_batch(samples: list[Sample], version: int) -> MicroBatch:
     )
 
 
-class ScoredTokens(Protocol):
-    """Where the completion tokens sit in the logits: MicroBatch, PackedBatch, SequenceShard."""
+class TokenBatch(Protocol):
+    """A micro-batch in any layout (learner/layout.py): MicroBatch, PackedBatch or SequenceShard.
+
+    The model runs on `model_kwargs()`; the completion tokens it scores are flat [T],
+    in the same order in every layout, so losses and metrics never see the layout.
+    """
 
     score_rows: torch.Tensor
     score_cols: torch.Tensor
     targets: torch.Tensor
+    behaviour_logp: torch.Tensor
+    token_adv: torch.Tensor
+    on_policy: torch.Tensor
+
+    def model_kwargs(self) -> dict: ...
 
 
-def token_logprobs(logits: torch.Tensor, mb: ScoredTokens, temperature: float) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, mb: TokenBatch, temperature: float) -> torch.Tensor:
     """Logprobs [T] of the completion tokens under softmax(logits / temperature): the sampled distribution."""
     picked = logits[mb.score_rows, mb.score_cols].float() / temperature
     return torch.log_softmax(picked, dim=-1).gather(1, mb.targets[:, None]).squeeze(1)

@@ -1,8 +1,8 @@
 """Plug FleetRL's attention into a stock transformers model: "fleetrl_varlen" (packed) and "fleetrl_ring" (SP).
 
 Importing this module registers both names with transformers' AttentionInterface;
-`model.set_attn_implementation(attention_implementation(cfg.train))` picks one once
-at setup. The model is then called with `PackedBatch.model_kwargs()` or
+`model.set_attn_implementation(attention_implementation(cfg.train))` (learner/layout.py)
+picks one once at setup. The model is then called with `PackedBatch.model_kwargs()` or
 `SequenceShard.model_kwargs()`: the sample boundaries travel as forward kwargs
 (transformers' own `cu_seq_lens_q`/`max_length_q`, or our `fleetrl_ring` context),
 which the model hands unchanged to every attention call. Kwargs rather than a
@@ -25,17 +25,9 @@ from transformers import AttentionInterface
 
 from learner.ring_attention import ring_attention
 from learner.varlen_attention import varlen_causal_attention
-from protocol.config import TrainConfig
 
 VARLEN = "fleetrl_varlen"
 RING = "fleetrl_ring"
-
-
-def attention_implementation(train: TrainConfig) -> str:
-    """The model's attention, chosen once at setup: ring over an SP group, varlen when packed, else sdpa."""
-    if train.sequence_parallel_size > 1:
-        return RING
-    return VARLEN if train.packing else "sdpa"
 
 
 def _scale(query: torch.Tensor, scaling: float | None) -> float:

@@ -127,13 +127,23 @@ def test_packing_efficiency():
         packing_efficiency([])
 
 
-def test_attention_is_chosen_once_from_the_config():
-    from learner.hf_attention import RING, attention_implementation
+def test_layout_and_attention_are_chosen_once_from_the_config():
+    from learner.batch import MicroBatch
+    from learner.hf_attention import RING
+    from learner.layout import attention_implementation, micro_batch_layout
+    from learner.packing import PackedBatch
     from protocol.config import ConfigError, load_config
 
-    assert attention_implementation(load_config(None, ["train.packing=true"]).train) == VARLEN
-    assert attention_implementation(load_config(None, ["train.packing=false"]).train) == "sdpa"
-    assert attention_implementation(load_config(None, ["train.sequence_parallel_size=2"]).train) == RING
+    samples = make_samples()
+    packed_cfg, padded_cfg = (load_config(None, [f"train.packing={v}"]).train for v in ("true", "false"))
+    assert attention_implementation(packed_cfg) == VARLEN
+    assert isinstance(micro_batch_layout(packed_cfg)(samples, 3), PackedBatch)
+    assert attention_implementation(padded_cfg) == "sdpa"
+    assert isinstance(micro_batch_layout(padded_cfg)(samples, 3), MicroBatch)
+    sp_cfg = load_config(None, ["train.sequence_parallel_size=2"]).train
+    assert attention_implementation(sp_cfg) == RING
+    with pytest.raises(ValueError, match=r"train\.sequence_parallel_size=2 but the SP group has 0 ranks"):
+        micro_batch_layout(sp_cfg, None)
     with pytest.raises(ConfigError, match=r"train\.sequence_parallel_size: 2 needs train\.packing"):
         load_config(None, ["train.sequence_parallel_size=2", "train.packing=false"])
 

@@ -54,8 +54,8 @@ def _ring_worker(rank, world, port):
     from learner.ring_attention import RingContext, ring_attention
 
     _init(rank, world, port)
-    # (lengths summing to a multiple of `world`, heads, kv heads): crossing boundaries, one sample over every
-    # chunk, samples inside one chunk, a 1-token sample, GQA and MHA
+    # (lengths, 24 tokens in all, heads, kv heads): boundaries inside chunks, one sample over every chunk,
+    # samples inside one chunk, 1-token samples, a sample over two chunks; GQA (groups of 2 and 4) and MHA
     cases = [([5, 7, 4, 8], 4, 2), ([24], 4, 1), ([1, 2, 3, 1, 4, 5, 2, 6], 2, 2), ([13, 3, 4, 4], 6, 3)]
     for lengths, heads, kv_heads in cases:
         gen = torch.Generator().manual_seed(sum(lengths) + heads)
@@ -80,8 +80,8 @@ def _ring_worker(rank, world, port):
 
 
 def test_ring_attention_matches_dense_masked_attention():
-    """4 ranks (3 hops), fp64: outputs and dQ/dK/dV equal a dense varlen-causal reference to 1e-10."""
-    _spawn(_ring_worker, 4)
+    """3 ranks (K/V make 2 hops, dK/dV 3), fp64: outputs and dQ/dK/dV equal a dense varlen-causal reference to 1e-10."""
+    _spawn(_ring_worker, 3)
 
 
 def _tiny_gqa_model():
@@ -114,17 +114,20 @@ def _loss(model, kwargs, batch, total_tokens):
 
 def _model_worker(rank, world, port):
     from learner.hf_attention import RING, VARLEN
+    from learner.layout import micro_batch_layout
     from learner.packing import pack_samples
-    from learner.sequence_parallel import shard_packed
+    from protocol.config import load_config
 
     _init(rank, world, port)
+    layout = micro_batch_layout(load_config(None, [f"train.sequence_parallel_size={world}"]).train, dist.group.WORLD)
     base = _tiny_gqa_model()
     worst = [0.0]
     # the last run recomputes activations in backward: the ring's kwargs must survive the re-run forward
     runs = [(name, shapes, False) for name, shapes in LAYOUTS.items()]
     runs.append(("activation_checkpointing", LAYOUTS["boundary_inside_sample"], True))
     for name, shapes, checkpointing in runs:
-        packed = pack_samples(_samples(shapes), version=0)
+        samples = _samples(shapes)
+        packed = pack_samples(samples, version=0)
         total_tokens = len(packed.targets)
         ref_model, sp_model = copy.deepcopy(base), copy.deepcopy(base)
         ref_model.set_attn_implementation(VARLEN)  # no SP: the whole packed row in this process
@@ -137,7 +140,7 @@ def _model_worker(rank, world, port):
             assert sp_model.training and sp_model.model.layers[0].gradient_checkpointing
         calls = []
         sp_model.model.layers[0].self_attn.register_forward_hook(lambda *_, c=calls: c.append(1))
-        shard = shard_packed(packed, dist.group.WORLD)
+        shard = layout(samples, 0)  # this rank's chunk of the same packed row
         logp, loss = _loss(sp_model, shard.model_kwargs(), shard, total_tokens)
         loss.backward()  # also on a rank that scores nothing: its peers' ring backward needs it
         assert len(calls) == (2 if checkpointing else 1), calls  # checkpointing did re-run the forward

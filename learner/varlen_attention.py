@@ -6,10 +6,12 @@ the same sample. learner/hf_attention.py plugs this into transformers' models.
 
 CPU: one SDPA call per sample with is_causal. A single SDPA call over the whole row
 with a block-diagonal boolean mask computes all N^2 scores, and the masked CPU
-kernel is slower per score too: measured fwd+bwd at Qwen2-0.5B head shapes (14 heads,
-2 kv heads, d 64), 1 thread, it was 8x slower for 64 samples of 24 tokens (450 ms vs
-54 ms) and 6-13x slower from 16x256 to 4x2048 tokens. The per-sample loop costs one
-small call per sample, a few microseconds each.
+kernel is slower per score too: fwd + bwd at Qwen2-0.5B head shapes (14 heads, 2 kv
+heads, d 64), 1 thread, the masked call took 9-22x longer (`python -m bench.packing`:
+462 vs 21 ms for 64 samples of 24 tokens, 4.5 vs 0.49 s for 8 of 100-1000). The
+samples are cut with `split`, whose backward is one concatenation; slicing the row
+per sample made each slice's backward write a row-sized zero tensor (3x slower
+with 64 samples).
 GPU: flash_attn_varlen_func when flash-attn is installed and the tensors are on CUDA.
 """
 
@@ -35,10 +37,10 @@ def varlen_causal_attention(
             max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scale, causal=True)
         return out[None]
     gqa = q.shape[1] != k.shape[1]
-    bounds = cu_seqlens.tolist()
+    # split, not slicing: each slice's backward would write a zero tensor the size of the whole row
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     parts = [
-        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout_p=dropout, is_causal=True,
-                                       scale=scale, enable_gqa=gqa)
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa)
+        for qs, ks, vs in zip(q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2), strict=True)
     ]
     return torch.cat(parts, dim=2).transpose(1, 2)

@@ -8,6 +8,7 @@ P tokens is scored by the logit at position P - 1 + j.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -57,6 +58,9 @@ class MicroBatch:
     rewards: torch.Tensor  # float32 [B]: each sample's reward (GAE puts it on the last token)
     lengths: torch.Tensor  # int64 [B]: completion tokens of each sample
 
+    def model_kwargs(self) -> dict:
+        return dict(input_ids=self.input_ids, attention_mask=self.attention_mask)
+
 
 def make_micro_batch(samples: list[Sample], version: int) -> MicroBatch:
     length = max(len(s.tokens) for s in samples)
@@ -83,7 +87,24 @@ def make_micro_batch(samples: list[Sample], version: int) -> MicroBatch:
     )
 
 
-def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
+class TokenBatch(Protocol):
+    """A micro-batch in any layout (learner/layout.py): MicroBatch, PackedBatch or SequenceShard.
+
+    The model runs on `model_kwargs()`; the completion tokens it scores are flat [T],
+    in the same order in every layout, so losses and metrics never see the layout.
+    """
+
+    score_rows: torch.Tensor
+    score_cols: torch.Tensor
+    targets: torch.Tensor
+    behaviour_logp: torch.Tensor
+    token_adv: torch.Tensor
+    on_policy: torch.Tensor
+
+    def model_kwargs(self) -> dict: ...
+
+
+def token_logprobs(logits: torch.Tensor, mb: TokenBatch, temperature: float) -> torch.Tensor:
     """Logprobs [T] of the completion tokens under softmax(logits / temperature): the sampled distribution."""
     dev = logits.device
     picked = logits[mb.score_rows.to(dev), mb.score_cols.to(dev)].float() / temperature

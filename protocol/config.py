@@ -260,6 +260,8 @@ def _check(cfg: Config) -> None:
     need(cfg.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3")
     need(cfg.train.micro_batch_samples >= 1, "train.micro_batch_samples", "must be >= 1")
     need(cfg.train.sequence_parallel_size >= 1, "train.sequence_parallel_size", "must be >= 1")
+    need(cfg.train.sequence_parallel_size == 1 or cfg.train.packing, "train.sequence_parallel_size",
+         f"{cfg.train.sequence_parallel_size} needs train.packing = true (SP splits one packed row)")
     need(cfg.algo.advantage in ("grpo", "dr_grpo", "gae"), "algo.advantage", "must be grpo, dr_grpo or gae")
     need(0 <= cfg.algo.gamma <= 1, "algo.gamma", "must be in [0, 1]")
     need(0 <= cfg.algo.lam <= 1, "algo.lam", "must be in [0, 1]")

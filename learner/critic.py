@@ -50,6 +50,7 @@ class Critic(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **attention_kwargs,
     ) -> torch.Tensor:
         """Values [B, L] in float32: values[b, t] is the value of the state after reading tokens 0..t,
         i.e. before token t + 1. GAE's V of completion token j (prompt length P) is at position
@@ -57,9 +58,10 @@ class Critic(nn.Module):
 
         Packed rows (several sequences in one row): pass position_ids restarting at 0 for each
         sequence and no attention_mask; transformers then masks attention to each sequence's block.
+        `attention_kwargs` carry a packed or sequence-parallel layout's boundaries (learner/layout.py).
         """
         # use_cache=False: with a KV cache transformers skips the packed-sequence detection, and a
         # packed row would silently attend across its sequences.
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
+                               use_cache=False, **attention_kwargs).last_hidden_state
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ class Topology:
     dp_rank: int
     sp_rank: int
     sp_group: dist.ProcessGroup | None  # None when sp_size == 1
-    dp_group: dist.ProcessGroup | None  # None when dp_size == world (the default group serves)
+    mpu: Any  # DeepSpeed's sequence-parallel state (for deepspeed.initialize(mpu=...)); None when sp_size == 1
     device: torch.device
 
     @property
@@ -50,21 +51,17 @@ def init_distributed() -> None:
 
 
 def make_topology(sp_size: int) -> Topology:
-    """Build the SP and DP groups. Collective: every rank calls it, in the same order."""
+    """Build the SP groups (DeepSpeed's own, consecutive ranks). Collective: every rank calls it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % sp_size:
         raise ValueError(f"train.sequence_parallel_size: {sp_size} does not divide the {world} learner ranks")
-    dp_size = world // sp_size
-    sp_group = dp_group = None
-    if sp_size > 1:  # new_group is collective over the default group: create every group on every rank
-        for start in range(0, world, sp_size):
-            group = dist.new_group(list(range(start, start + sp_size)))
-            if start <= rank < start + sp_size:
-                sp_group = group
-        for offset in range(sp_size):
-            group = dist.new_group(list(range(offset, world, sp_size)))
-            if rank % sp_size == offset:
-                dp_group = group
+    sp_group = mpu = None
+    if sp_size > 1:
+        from learner.sequence_parallel import init_sequence_parallel
+
+        # DeepSpeed then sums gradients over SP peers and averages over the data-parallel replicas.
+        mpu = init_sequence_parallel(sp_size)
+        sp_group = mpu.get_sequence_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return Topology(rank=rank, world=world, sp_size=sp_size, dp_size=dp_size, dp_rank=rank // sp_size,
-                    sp_rank=rank % sp_size, sp_group=sp_group, dp_group=dp_group, device=device)
+    return Topology(rank=rank, world=world, sp_size=sp_size, dp_size=world // sp_size, dp_rank=rank // sp_size,
+                    sp_rank=rank % sp_size, sp_group=sp_group, mpu=mpu, device=device)

@@ -31,6 +31,8 @@ class PackedBatch:
     behaviour_logp: torch.Tensor  # float32 [T]
     token_adv: torch.Tensor  # float32 [T]
     on_policy: torch.Tensor  # bool [T]
+    rewards: torch.Tensor  # float32 [S]: each sample's reward (GAE puts it on the last token)
+    lengths: torch.Tensor  # int64 [S]: completion tokens of each sample
 
     def model_kwargs(self) -> dict:
         """Forward kwargs for a model whose attention is "fleetrl_varlen" (names are transformers' own)."""
@@ -68,6 +70,8 @@ def pack_samples(samples: list[Sample], version: int) -> PackedBatch:
         max_seqlen=max(lengths), score_rows=torch.zeros_like(score_cols), score_cols=score_cols,
         targets=ids[score_cols + 1], behaviour_logp=torch.cat(behaviour), token_adv=torch.cat(adv),
         on_policy=torch.cat(on_policy),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        lengths=torch.tensor([len(s.tokens) - s.prompt_len for s in samples], dtype=torch.long),
     )
 
 

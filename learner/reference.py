@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from learner.batch import MicroBatch, token_logprobs
+from learner.batch import TokenBatch, token_logprobs
 
 
 class ReferencePolicy:
@@ -27,7 +27,9 @@ class ReferencePolicy:
         return cls(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype))
 
     @torch.no_grad()
-    def logprobs(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    def logprobs(self, mb: TokenBatch, temperature: float) -> torch.Tensor:
         """Logprobs [T] of the micro-batch's completion tokens, after `temperature` like the policy's."""
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        device = next(self.model.parameters()).device
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.model_kwargs().items()}
+        logits = self.model(**kwargs, use_cache=False).logits
         return token_logprobs(logits, mb, temperature)

@@ -11,7 +11,7 @@ position_ids stay the per-sample positions of the whole row (RoPE is unchanged).
 Attention across chunks is the ring (learner/ring_attention.py).
 
 Loss and gradients: rank r's loss is its tokens' share, sum / total tokens of the
-whole step (ppo_clip_loss with the step's `total_tokens`, unchanged), so the SP
+whole step (the policy loss with the step's `total_tokens`, unchanged), so the SP
 ranks' losses add up to the unsplit loss and their parameter gradients must be
 summed over the group. DeepSpeed gets this from its own sequence-parallel hook:
 `deepspeed.initialize(mpu=...)` with the mpu returned by `init_sequence_parallel`

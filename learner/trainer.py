@@ -23,11 +23,12 @@ import torch.distributed as dist
 
 from learner import staleness as st
 from learner.advantages import GroupAdvantage, make_advantage
-from learner.batch import MicroBatch, group_samples, make_micro_batch, token_logprobs
+from learner.batch import TokenBatch, group_samples, token_logprobs
 from learner.distributed import Topology
+from learner.layout import attention_implementation, micro_batch_layout
 from learner.losses import make_policy_loss, token_entropy, value_loss
 from learner.shard import Share, split_rollout_batch
-from protocol.config import Config
+from protocol.config import Config, ConfigError
 from protocol.messages import RolloutGroup
 
 
@@ -59,11 +60,19 @@ def deepspeed_config(cfg: Config, layout: StepLayout, lr: float) -> dict:
             "type": "WarmupLR",
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": max(1, cfg.train.warmup_steps), "warmup_type": "linear"},
         },
-        "zero_optimization": {"stage": cfg.train.zero_stage},
+        "zero_optimization": {"stage": cfg.train.zero_stage, **_sp_zero3_fix(cfg)},
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def _sp_zero3_fix(cfg: Config) -> dict:
+    """DeepSpeed 0.19 ZeRO-3's reduce-scatter path (`__avg_scatter_grads`) averages gradients over every rank,
+    SP peers included, where they must be summed: with SP = 2 the gradient came out halved (tests/
+    test_learner_ranks.py). Its all-reduce path divides by world / SP, which is right; reduce_scatter=False
+    selects it."""
+    return {"reduce_scatter": False} if cfg.train.zero_stage == 3 and cfg.train.sequence_parallel_size > 1 else {}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,20 +106,29 @@ class Trainer:
         self.cfg, self.topo, self.layout = cfg, topo, layout
         self.advantage = make_advantage(cfg.algo)
         self.policy_loss = make_policy_loss(cfg.algo)
+        if self.advantage.needs_critic and topo.sp_size > 1:
+            raise ConfigError("algo.advantage: gae needs every value of a sample on one rank; "
+                              "it does not run with train.sequence_parallel_size > 1 yet")
+        # Padded rows, one packed row, or this rank's chunk of it (SP): chosen once, with its attention.
+        self.attention = attention_implementation(cfg.train)
+        self.build = micro_batch_layout(cfg.train, topo.sp_group)
+        model.set_attn_implementation(self.attention)
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=deepspeed_config(cfg, layout, cfg.train.lr))
+            config=deepspeed_config(cfg, layout, cfg.train.lr), mpu=topo.mpu)
         self.critic = self.reference = None
         if self.advantage.needs_critic:
             from learner.critic import Critic
 
             critic = Critic.from_pretrained(cfg.algo.critic_path or cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+            critic.backbone.set_attn_implementation(self.attention)  # type: ignore[operator]
             self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
-                                                   config=deepspeed_config(cfg, layout, cfg.algo.critic_lr))
+                                                   config=deepspeed_config(cfg, layout, cfg.algo.critic_lr), mpu=topo.mpu)
         if self.policy_loss.needs_reference or cfg.algo.keep_reference:
             from learner.reference import ReferencePolicy
 
             self.reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+            self.reference.model.set_attn_implementation(self.attention)
             self.reference.model.to(topo.device)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -153,11 +171,12 @@ class Trainer:
                 f"sample of version {s.version_min} in update {version} -> {version + steps} breaks max_staleness={max_staleness}")
         per_mb, micro = len(share.samples) // self.layout.mini_batches, self.layout.micro_samples
         # Micro-batches are built once; mini-batch j holds micro[j], its token count is share.mini_batch_tokens[j].
-        micro_batches = [[make_micro_batch(share.samples[j * per_mb + i : j * per_mb + min(i + micro, per_mb)], version)
+        micro_batches = [[self.build(share.samples[j * per_mb + i : j * per_mb + min(i + micro, per_mb)], version)
                           for i in range(0, per_mb, micro)] for j in range(self.layout.mini_batches)]
         assert all(len(m) == self.layout.accumulation for m in micro_batches), (f"micro-batches {[len(m) for m in micro_batches]} of {len(share.samples)} samples do not match DeepSpeed's accumulation {self.layout}")
         extras = [[self._prepare(mb) for mb in mbs] for mbs in micro_batches]
-        scale = float(self.topo.world)  # DeepSpeed averages gradients over the ranks; the loss is a sum
+        # The loss is a sum over ranks' tokens; DeepSpeed sums SP peers' gradients and averages the DP replicas.
+        scale = float(self.topo.dp_size)
         self.engine.train()
         steps_before = self.engine.global_steps
         sums = torch.zeros(len(_SUMS), dtype=torch.float64)
@@ -181,7 +200,7 @@ class Trainer:
             extra=extra)
 
     @torch.no_grad()
-    def _prepare(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+    def _prepare(self, mb: TokenBatch) -> dict[str, torch.Tensor]:
         """Before the first step: what must come from the weights as they were (prox, reference, old values, GAE)."""
         out: dict[str, torch.Tensor] = {}
         if self.policy_loss.needs_prox and self.layout.steps > 1:
@@ -191,20 +210,24 @@ class Trainer:
             out["ref"] = self.reference.logprobs(mb, self.cfg.rollout.temperature).cpu()
         if self.critic is not None:
             self.critic.eval()
-            values = self.critic(input_ids=mb.input_ids.to(self.topo.device), attention_mask=mb.attention_mask.to(self.topo.device))
+            values = self.critic(**self._kwargs(mb))
             old = values[mb.score_rows.to(values.device), mb.score_cols.to(values.device)].float().cpu()
-            adv = self.advantage(mb.rewards, mb.lengths, old)
+            adv = self.advantage(mb.rewards, mb.lengths, old)  # type: ignore[attr-defined]  # padded and packed layouts have them
             assert adv.returns is not None
             out.update(old_values=old, advantages=adv.tokens.float(), returns=adv.returns.float())
         return out
 
-    def _logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        logits = self.engine(input_ids=mb.input_ids.to(self.topo.device), attention_mask=mb.attention_mask.to(self.topo.device)).logits
+    def _kwargs(self, mb: TokenBatch) -> dict:
+        return {k: v.to(self.topo.device) if isinstance(v, torch.Tensor) else v for k, v in mb.model_kwargs().items()}
+
+    def _logprobs(self, mb: TokenBatch) -> torch.Tensor:
+        logits = self.engine(**self._kwargs(mb), use_cache=False).logits
         return token_logprobs(logits, mb, self.cfg.rollout.temperature).cpu()
 
-    def _micro_step(self, mb: MicroBatch, extra: dict[str, torch.Tensor], total_tokens: int, scale: float, first_step: bool) -> torch.Tensor:
+    def _micro_step(self, mb: TokenBatch, extra: dict[str, torch.Tensor], total_tokens: int, scale: float, first_step: bool) -> torch.Tensor:
         self.engine.train()
-        logits = self.engine(input_ids=mb.input_ids.to(self.topo.device), attention_mask=mb.attention_mask.to(self.topo.device)).logits
+        # use_cache=False: with a KV cache transformers would not keep packed samples apart.
+        logits = self.engine(**self._kwargs(mb), use_cache=False).logits
         dev = logits.device
         picked = logits[mb.score_rows.to(dev), mb.score_cols.to(dev)].float() / self.cfg.rollout.temperature
         logp = torch.log_softmax(picked, dim=-1).gather(1, mb.targets.to(dev)[:, None]).squeeze(1).cpu()
@@ -217,16 +240,17 @@ class Trainer:
         self.engine.step()
         n = len(logp)
         row = dict.fromkeys(_SUMS, 0.0)
-        row.update({"loss": out.loss.item(), "clipped": out.clip_frac.item() * n, "tokens": n})
+        # An SP rank may score no token (clip_frac of nothing is nan); it still ran forward and backward for its peers.
+        row.update({"loss": out.loss.item(), "clipped": out.clip_frac.item() * n if n else 0.0, "tokens": n})
         if first_step:
             diff = (logp.detach() - mb.behaviour_logp).abs()[mb.on_policy]
             row.update(mismatch=diff.sum().item(), on_policy=diff.numel())
         for key, value in (("loss/kl", out.kl_mean), ("loss/entropy", out.entropy_mean), ("loss/iw_mean", out.iw_mean)):
-            if value is not None:
+            if value is not None and n:
                 row[key] = value.item() * n
         if self.critic is not None:
             self.critic.train()
-            values = self.critic(input_ids=mb.input_ids.to(self.topo.device), attention_mask=mb.attention_mask.to(self.topo.device))
+            values = self.critic(**self._kwargs(mb))
             v = value_loss(values[mb.score_rows.to(values.device), mb.score_cols.to(values.device)].float().cpu(), extra["old_values"], extra["returns"],
                            self.cfg.algo.value_clip, total_tokens)
             self.critic.backward(v.loss * scale, scale_wrt_gas=False)

@@ -70,3 +70,13 @@ def test_ppo_critic_kl_entropy_decoupled_two_ranks_match_one(tiny_model_dir, tmp
     assert all(e["loss/value"] > 0 for e in one["extras"])  # the critic trains (tests/test_critic.py shows it learns)
     kls = [e["loss/kl"] for e in one["extras"]]
     assert 0 <= kls[0] < kls[-1], f"the policy starts at the reference and drifts from it: {kls}"
+
+
+def test_sequence_parallel_two_ranks_match_one(one_rank, tiny_model_dir, tmp_path):
+    """SP = 2: both ranks get the same share, each trains its chunk of every packed row with ring attention;
+    DeepSpeed sums their gradients (its sequence-parallel mpu). Same numbers as one rank with the whole row."""
+    two = run_ranks(str(tiny_model_dir), 2, tmp_path, "train.zero_stage=3", "train.sequence_parallel_size=2")
+    assert two["samples"] == one_rank["samples"]
+    assert two["losses"] == pytest.approx(one_rank["losses"], rel=1e-4, abs=1e-6)
+    assert two["grad_norms"] == pytest.approx(one_rank["grad_norms"], rel=1e-4)
+    assert two["weight_abs"] == pytest.approx(one_rank["weight_abs"], rel=1e-6)

@@ -8,8 +8,9 @@ from transformers.masking_utils import create_causal_mask
 
 from learner.batch import Sample, make_micro_batch, token_logprobs
 from learner.hf_attention import VARLEN
-from learner.losses import ppo_clip_loss
+from learner.losses import make_policy_loss
 from learner.packing import pack_samples, packing_efficiency
+from protocol.config import AlgoConfig
 
 # (total length, prompt length): different lengths, a one-token completion, a one-token prompt
 SHAPES = [(9, 4), (3, 2), (15, 6), (6, 5), (11, 1)]
@@ -34,7 +35,7 @@ def make_samples(shapes=SHAPES, seed=0, version=3) -> list[Sample]:
 
 def loss_and_grads(model, logits, mb, total_tokens):
     logp = token_logprobs(logits, mb, temperature=0.7)
-    loss = ppo_clip_loss(logp, mb.behaviour_logp, mb.token_adv, 0.2, 2.0, total_tokens).loss
+    loss = make_policy_loss(AlgoConfig())(logp, mb.behaviour_logp, mb.token_adv, total_tokens).loss
     model.zero_grad()
     loss.backward()
     return logp.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -106,10 +106,11 @@ def _samples(shapes):
 
 def _loss(model, kwargs, batch, total_tokens):
     from learner.batch import token_logprobs
-    from learner.losses import ppo_clip_loss
+    from learner.losses import make_policy_loss
+    from protocol.config import AlgoConfig
 
     logp = token_logprobs(model(**kwargs).logits, batch, temperature=0.7)
-    return logp, ppo_clip_loss(logp, batch.behaviour_logp, batch.token_adv, 0.2, 2.0, total_tokens).loss
+    return logp, make_policy_loss(AlgoConfig())(logp, batch.behaviour_logp, batch.token_adv, total_tokens).loss
 
 
 def _model_worker(rank, world, port):

@@ -63,6 +63,7 @@ class SequenceShard:
     behaviour_logp: torch.Tensor  # float32 [T_r]
     token_adv: torch.Tensor  # float32 [T_r]
     on_policy: torch.Tensor  # bool [T_r]
+    useful: int  # positions of this chunk that hold a sample's token (the rest is SP padding)
 
     def model_kwargs(self) -> dict:
         """Forward kwargs for a model whose attention is "fleetrl_ring" (learner/hf_attention.py)."""
@@ -89,5 +90,5 @@ def shard_packed(packed: PackedBatch, group: dist.ProcessGroup, pad_id: int = 0)
         ring=RingContext(group=group, cu_seqlens=cu_seqlens), tokens=slice(t0, t1),
         score_rows=torch.zeros_like(cols), score_cols=cols, targets=packed.targets[t0:t1],
         behaviour_logp=packed.behaviour_logp[t0:t1], token_adv=packed.token_adv[t0:t1],
-        on_policy=packed.on_policy[t0:t1],
+        on_policy=packed.on_policy[t0:t1], useful=max(0, min(n, total - lo)),
     )

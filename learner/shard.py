@@ -68,7 +68,7 @@ def decode_share(buf: np.ndarray) -> Share:
     def take(dtype: type, count: int) -> np.ndarray:
         nonlocal offset
         size = np.dtype(dtype).itemsize * count
-        out = buf[offset : offset + size].view(dtype)
+        out: np.ndarray = buf[offset : offset + size].view(dtype)
         offset += size
         return out
 

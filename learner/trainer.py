@@ -27,6 +27,7 @@ from learner.batch import TokenBatch, group_samples, token_logprobs
 from learner.distributed import Topology
 from learner.layout import attention_implementation, micro_batch_layout
 from learner.losses import make_policy_loss, token_entropy, value_loss
+from learner.sequence_parallel import SequenceShard
 from learner.shard import Share, split_rollout_batch
 from protocol.config import Config, ConfigError
 from protocol.messages import RolloutGroup
@@ -81,6 +82,7 @@ class UpdateStats:
     samples: int
     tokens: int
     logprob_mismatch: float  # mean |behaviour - learner| over staleness-0 tokens at the first step; nan when none
+    packing_efficiency: float  # useful / processed token positions (1.0 = no padding)
     on_policy_tokens: int
     clip_frac: float
     grad_norm: float  # of the last optimizer step
@@ -112,7 +114,7 @@ class Trainer:
         # Padded rows, one packed row, or this rank's chunk of it (SP): chosen once, with its attention.
         self.attention = attention_implementation(cfg.train)
         self.build = micro_batch_layout(cfg.train, topo.sp_group)
-        model.set_attn_implementation(self.attention)
+        model.set_attn_implementation(self.attention)  # type: ignore[operator]
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=deepspeed_config(cfg, layout, cfg.train.lr), mpu=topo.mpu)
@@ -128,7 +130,7 @@ class Trainer:
             from learner.reference import ReferencePolicy
 
             self.reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-            self.reference.model.set_attn_implementation(self.attention)
+            self.reference.model.set_attn_implementation(self.attention)  # type: ignore[operator]
             self.reference.model.to(topo.device)
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -187,17 +189,18 @@ class Trainer:
         assert self.engine.global_steps == steps_before + steps, "DeepSpeed did not take exactly S optimizer steps"
         if self.topo.world > 1:
             dist.all_reduce(sums)
-        total = dict(zip(_SUMS, sums.tolist(), strict=True))
+        total: dict[str, float] = dict(zip(_SUMS, sums.tolist(), strict=True))
         tokens, on_policy = total["tokens"], total["on_policy"]
         grad_norm = self.engine.get_global_grad_norm()
-        extra = {k: total[k] / tokens for k in ("loss/kl", "loss/entropy", "loss/iw_mean", "loss/value_clip_frac") if tokens}
+        metrics = {k: total[k] / tokens for k in ("loss/kl", "loss/entropy", "loss/iw_mean", "loss/value_clip_frac") if tokens}
         if self.critic is not None:
-            extra["loss/value"] = total["loss/value"] / steps
+            metrics["loss/value"] = total["loss/value"] / steps
         return UpdateStats(
             loss=total["loss"] / steps, samples=len(share.samples) * self.topo.dp_size, tokens=int(tokens) // self.layout.ppo_epochs,
             logprob_mismatch=total["mismatch"] / on_policy if on_policy else float("nan"), on_policy_tokens=int(on_policy),
+            packing_efficiency=total["useful"] / total["processed"] if total["processed"] else float("nan"),
             clip_frac=total["clipped"] / tokens if tokens else 0.0, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            extra=extra)
+            extra=metrics)
 
     @torch.no_grad()
     def _prepare(self, mb: TokenBatch) -> dict[str, torch.Tensor]:
@@ -240,6 +243,9 @@ class Trainer:
         self.engine.step()
         n = len(logp)
         row = dict.fromkeys(_SUMS, 0.0)
+        ids = mb.model_kwargs()["input_ids"]
+        # Packing efficiency: token positions with a sample in them / positions the model ran (SP chunks add up).
+        row.update(processed=ids.numel(), useful=float(_useful_tokens(mb)))
         # An SP rank may score no token (clip_frac of nothing is nan); it still ran forward and backward for its peers.
         row.update({"loss": out.loss.item(), "clipped": out.clip_frac.item() * n if n else 0.0, "tokens": n})
         if first_step:
@@ -259,5 +265,13 @@ class Trainer:
         return torch.tensor([row[k] for k in _SUMS], dtype=torch.float64)
 
 
+def _useful_tokens(mb: TokenBatch) -> int:
+    """Positions holding a sample's token: the mask (padded rows), the whole row (packed), the chunk's (SP)."""
+    if isinstance(mb, SequenceShard):
+        return mb.useful
+    kwargs = mb.model_kwargs()
+    return int(kwargs["attention_mask"].sum()) if "attention_mask" in kwargs else int(kwargs["input_ids"].numel())
+
+
 # Per-update sums over micro-batches and ranks (one all-reduce).
-_SUMS = ("loss", "clipped", "mismatch", "on_policy", "tokens", "loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac")
+_SUMS = ("loss", "clipped", "mismatch", "on_policy", "tokens", "useful", "processed", "loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac")

@@ -80,3 +80,12 @@ def test_sequence_parallel_two_ranks_match_one(one_rank, tiny_model_dir, tmp_pat
     assert two["losses"] == pytest.approx(one_rank["losses"], rel=1e-4, abs=1e-6)
     assert two["grad_norms"] == pytest.approx(one_rank["grad_norms"], rel=1e-4)
     assert two["weight_abs"] == pytest.approx(one_rank["weight_abs"], rel=1e-6)
+
+
+def test_packed_equals_padded_in_the_trainer(one_rank, tiny_model_dir, tmp_path):
+    """The default packs each micro-batch into one row; padded rows must train identically, less efficiently."""
+    padded = run_ranks(str(tiny_model_dir), 1, tmp_path, "train.zero_stage=3", "train.packing=false")
+    assert padded["losses"] == pytest.approx(one_rank["losses"], rel=1e-4, abs=1e-6)
+    assert padded["grad_norms"] == pytest.approx(one_rank["grad_norms"], rel=1e-4)
+    assert all(e["packing_efficiency"] == 1.0 for e in one_rank["extras"])
+    assert all(0.3 < e["packing_efficiency"] < 0.95 for e in padded["extras"]), padded["extras"]

@@ -141,7 +141,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                 "step": updates, "policy_version": version, "reward_mean": reward_mean, "samples": stats.samples,
                 "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
                 "logprob_mismatch": stats.logprob_mismatch, "on_policy_tokens": stats.on_policy_tokens,
-                "packing_efficiency": stats.packing_efficiency, **stats.extra,
+                "packing_efficiency": stats.packing_efficiency, "padded_efficiency": stats.padded_efficiency, **stats.extra,
                 "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
                 "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
                 "grad_norm": stats.grad_norm, "adv_abs_mean": float(advantages.abs().mean()), "max_staleness": k,

@@ -83,6 +83,7 @@ class UpdateStats:
     tokens: int
     logprob_mismatch: float  # mean |behaviour - learner| over staleness-0 tokens at the first step; nan when none
     packing_efficiency: float  # useful / processed token positions (1.0 = no padding)
+    padded_efficiency: float  # useful / positions right-padded rows would have processed (for comparison)
     on_policy_tokens: int
     clip_frac: float
     grad_norm: float  # of the last optimizer step
@@ -177,6 +178,8 @@ class Trainer:
                           for i in range(0, per_mb, micro)] for j in range(self.layout.mini_batches)]
         assert all(len(m) == self.layout.accumulation for m in micro_batches), (f"micro-batches {[len(m) for m in micro_batches]} of {len(share.samples)} samples do not match DeepSpeed's accumulation {self.layout}")
         extras = [[self._prepare(mb) for mb in mbs] for mbs in micro_batches]
+        # What right-padded rows would have processed for the same micro-batches (counted once per SP group).
+        padded = sum(len(c) * max(len(x.tokens) for x in c) for c in _chunks(share.samples, per_mb, micro)) if self.topo.sp_rank == 0 else 0
         # The loss is a sum over ranks' tokens; DeepSpeed sums SP peers' gradients and averages the DP replicas.
         scale = float(self.topo.dp_size)
         self.engine.train()
@@ -187,6 +190,7 @@ class Trainer:
                 for mb, extra in zip(micro_batches[j], extras[j], strict=True):
                     sums += self._micro_step(mb, extra, share.mini_batch_tokens[j], scale, first_step=epoch == 0 and j == 0)
         assert self.engine.global_steps == steps_before + steps, "DeepSpeed did not take exactly S optimizer steps"
+        sums[_SUMS.index("padded")] = padded * self.layout.ppo_epochs
         if self.topo.world > 1:
             dist.all_reduce(sums)
         total: dict[str, float] = dict(zip(_SUMS, sums.tolist(), strict=True))
@@ -199,6 +203,7 @@ class Trainer:
             loss=total["loss"] / steps, samples=len(share.samples) * self.topo.dp_size, tokens=int(tokens) // self.layout.ppo_epochs,
             logprob_mismatch=total["mismatch"] / on_policy if on_policy else float("nan"), on_policy_tokens=int(on_policy),
             packing_efficiency=total["useful"] / total["processed"] if total["processed"] else float("nan"),
+            padded_efficiency=total["useful"] / total["padded"] if total["padded"] else float("nan"),
             clip_frac=total["clipped"] / tokens if tokens else 0.0, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             extra=metrics)
 
@@ -265,6 +270,10 @@ class Trainer:
         return torch.tensor([row[k] for k in _SUMS], dtype=torch.float64)
 
 
+def _chunks(samples: list, per_mb: int, micro: int) -> list[list]:
+    return [samples[j + i : j + min(i + micro, per_mb)] for j in range(0, len(samples), per_mb) for i in range(0, per_mb, micro)]
+
+
 def _useful_tokens(mb: TokenBatch) -> int:
     """Positions holding a sample's token: the mask (padded rows), the whole row (packed), the chunk's (SP)."""
     if isinstance(mb, SequenceShard):
@@ -274,4 +283,4 @@ def _useful_tokens(mb: TokenBatch) -> int:
 
 
 # Per-update sums over micro-batches and ranks (one all-reduce).
-_SUMS = ("loss", "clipped", "mismatch", "on_policy", "tokens", "useful", "processed", "loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac")
+_SUMS = ("loss", "clipped", "mismatch", "on_policy", "tokens", "useful", "processed", "padded", "loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac")

@@ -89,3 +89,5 @@ def test_packed_equals_padded_in_the_trainer(one_rank, tiny_model_dir, tmp_path)
     assert padded["grad_norms"] == pytest.approx(one_rank["grad_norms"], rel=1e-4)
     assert all(e["packing_efficiency"] == 1.0 for e in one_rank["extras"])
     assert all(0.3 < e["packing_efficiency"] < 0.95 for e in padded["extras"]), padded["extras"]
+    # The packed run reports what padding would have cost on the same micro-batches: the padded run's figure.
+    assert [e["padded_efficiency"] for e in one_rank["extras"]] == pytest.approx([e["packing_efficiency"] for e in padded["extras"]])

@@ -64,7 +64,7 @@ def main() -> None:
         version += trainer.layout.steps
         losses.append(stats.loss)
         grad_norms.append(stats.grad_norm)
-        extras.append({**stats.extra, "packing_efficiency": stats.packing_efficiency})
+        extras.append({**stats.extra, "packing_efficiency": stats.packing_efficiency, "padded_efficiency": stats.padded_efficiency})
     if topo.is_root:
         assert flats is not None
         weights = torch.cat(flats)

@@ -85,9 +85,13 @@ class Engine:
                 finish_reason=c.finish_reason or "length", text=c.text))
         return completions
 
-    async def apply_weights(self, sync: WeightSync) -> dict[str, float]:
-        """Pause between engine steps (in-flight requests are kept), receive and load, resume."""
+    async def apply_weights(self, sync: WeightSync, leave_group: bool = False) -> dict[str, float]:
+        """Pause between engine steps (in-flight requests are kept), receive and load, resume.
+
+        `leave_group`: the worker first drops its weight group and store (the learner that made them is gone).
+        """
         fields = {f.name: getattr(sync, f.name) for f in dataclasses.fields(sync)}
+        fields["leave_group"] = leave_group
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
             (result,) = await self.llm.collective_rpc("fleetrl_receive", args=(fields,), timeout=sync.timeout_s + 30)

@@ -7,6 +7,14 @@
                     (not counted in `held`: eval work never takes the place of training work)
     sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
     heartbeat task: Heartbeat every hub.heartbeat_s; re-registers when the hub stops answering
+    watch task:     the learner's connection closing (it died or restarted) -> learner lost
+
+Learner lost (its connection closed, or it answers unknown_actor): the actor keeps its engine
+and waits (actor.waiting_for_learner, registering again with backoff). Work granted before is
+void: the grant and eval tasks are cancelled (a resumed learner put those prompts back in its
+queue). The weights it holds may come from versions the resumed learner will train again
+differently, so it serves version -1 until the learner's next sync, and its worker leaves the
+old weight group (a new learner has a new rendezvous). A sync that fails counts as a lost learner.
 
 A sample's version_min is the version served when its generation started; the
 served version is bumped only after new weights are loaded, so a sample is never
@@ -27,6 +35,7 @@ import numpy as np
 import uvloop
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from actors.rewards import load_reward_fn
 from protocol import messages as m
@@ -46,6 +55,9 @@ class Actor:
         self.version_changed = asyncio.Condition()
         self.sync_lock = asyncio.Lock()
         self.held = 0
+        self.work: set[asyncio.Task] = set()  # grant and eval tasks: void when the learner is lost
+        self.lost = 0  # times the learner was lost; a sync started before a loss must not set served_version
+        self.leave_group = False  # the worker must drop its weight group and store before the next sync
         self.registered = asyncio.Event()
         self.stop = asyncio.Event()
         self.exit_code = 0
@@ -68,6 +80,7 @@ class Actor:
         try:
             self._spawn(self._receive())
             self._spawn(self._heartbeat())
+            self._spawn(self._watch_connection())
             await self.stop.wait()
         finally:
             for task in self.tasks:
@@ -79,10 +92,39 @@ class Actor:
             self.log.info("actor.stopped", exit_code=self.exit_code)
         return self.exit_code
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
+
+    def _spawn_work(self, coro) -> None:
+        task = self._spawn(coro)
+        self.work.add(task)
+        task.add_done_callback(self.work.discard)
+
+    def _lost_learner(self, why: str) -> None:
+        """The learner died, restarted or forgot this actor: drop its work, distrust the weights, register again."""
+        self.lost += 1
+        self.registered.clear()
+        self.served_version = -1
+        self.leave_group = True
+        set_context(policy_version=-1)
+        for task in list(self.work):
+            task.cancel()  # vLLM aborts a cancelled request; `held` drops in _run_grant's finally
+        self.log.warning("actor.learner_lost", why=why, learner=self.learner, cancelled=len(self.work))
+
+    async def _watch_connection(self) -> None:
+        """A closed connection is the first sign of a dead learner (a restarted one would answer unknown_actor)."""
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = await recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.registered.is_set():
+                    self._lost_learner("connection closed")
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(linger=0)
 
     def _task_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
@@ -128,16 +170,20 @@ class Actor:
             except m.ProtocolError as e:  # count, log, carry on: bad input never kills the actor
                 self.log.warning("actor.bad_message", error=str(e))
                 continue
-            if isinstance(msg, m.RegisterAck):
+            if isinstance(msg, m.WorkGrant | m.EvalGrant | m.WeightSync) and not self.registered.is_set():
+                # Sent by a learner this actor has lost (it answers only registered actors): a sync would wait on its
+                # dead rendezvous until weights.timeout_s, holding up the next learner's.
+                self.log.info("actor.ignored_from_lost_learner", type=type(msg).__name__)
+            elif isinstance(msg, m.RegisterAck):
                 if not self.registered.is_set():
                     self.registered.set()
                     self.log.info("actor.registered", learner_version=msg.policy_version)
                     await self._request_work()
             elif isinstance(msg, m.WorkGrant):
                 self.held += 1
-                self._spawn(self._run_grant(msg))
+                self._spawn_work(self._run_grant(msg))
             elif isinstance(msg, m.EvalGrant):
-                self._spawn(self._run_eval(msg))
+                self._spawn_work(self._run_eval(msg))
             elif isinstance(msg, m.WeightSync):
                 self._spawn(self._apply_sync(msg))
             elif isinstance(msg, m.Shutdown):
@@ -146,7 +192,8 @@ class Actor:
             elif isinstance(msg, m.Error):
                 self.log.warning("actor.hub_error", code=msg.code, detail=msg.detail)
                 if msg.code == "unknown_actor" and self.registered.is_set():
-                    await self._register()  # the learner restarted or dropped us: join again
+                    self._lost_learner("unknown to the learner")  # it restarted or dropped us: join again
+                    await self._register()
             else:
                 self.log.warning("actor.unexpected_message", type=type(msg).__name__)
 
@@ -188,7 +235,17 @@ class Actor:
     async def _apply_sync(self, sync: m.WeightSync) -> None:
         async with self.sync_lock:
             t0 = time.perf_counter()
-            result = await self.engine.apply_weights(sync)
+            lost, leave, self.leave_group = self.lost, self.leave_group, False
+            try:
+                result = await self.engine.apply_weights(sync, leave_group=leave)
+            except Exception as e:  # vLLM re-raises the worker's error as a bare Exception: gloo failed (peer died, timeout)
+                self.log.warning("actor.weight_sync_failed", version=sync.policy_version, epoch=sync.group_epoch, error=str(e)[-500:])
+                if lost == self.lost and self.registered.is_set():
+                    self._lost_learner("weight sync failed")  # re-registering makes the learner form a new group epoch
+                return
+            if lost != self.lost:  # weights of a learner that is gone: keep serving -1 until the next one's sync
+                self.log.info("actor.stale_sync_ignored", version=sync.policy_version, epoch=sync.group_epoch)
+                return
             async with self.version_changed:
                 self.served_version = sync.policy_version
                 self.version_changed.notify_all()

@@ -42,7 +42,26 @@ class FleetWeightReceiver:
     model_runner: Any  # provided by the vLLM worker class this is mixed into
 
     def fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, float]:
-        """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it."""
+        """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it.
+
+        A failure leaves no group behind: the learner re-forms it (a new epoch) at its next sync.
+        `sync["leave_group"]`: drop the group and the store first; a restarted learner numbers its
+        epochs from 1 again and may host its store on the same port, so neither may be reused.
+        """
+        if sync.get("leave_group"):
+            self._fleetrl_leave()
+        try:
+            return self._fleetrl_receive(sync)
+        except Exception:  # whatever broke (gloo: a dead peer, a timeout), this group is unusable
+            self._fleetrl_leave()
+            raise
+
+    def _fleetrl_leave(self) -> None:
+        for name in ("_fleetrl_pg", "_fleetrl_store", "_fleetrl_epoch", "_fleetrl_store_key"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+    def _fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, float]:
         t0 = time.perf_counter()
         group = self._fleetrl_group(sync)
         t_join = time.perf_counter()

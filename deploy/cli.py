@@ -1,6 +1,7 @@
 """`fleetrl`: the command line. One process, one entry point; the launcher composes them.
 
     fleetrl learner --config FILE [section.field=value ...]
+    fleetrl learner --resume RUN_DIR [--config FILE] [section.field=value ...]   continue from RUN_DIR's last checkpoint
     fleetrl actor   --learner tcp://HOST:PORT --config FILE [--id NAME] [section.field=value ...]
     fleetrl demo    [--config FILE] [section.field=value ...]
     fleetrl plan    CONFIG [section.field=value ...]      placement, batch arithmetic, run length, memory; starts nothing
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from protocol.config import ConfigError, load_config
 
@@ -19,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleetrl", description="Asynchronous actor-learner RL post-training with bounded staleness")
     sub = parser.add_subparsers(dest="command", required=True)
     p_learner = sub.add_parser("learner", help="run the learner (rank 0 hosts the hub)")
-    p_learner.add_argument("--config", required=True)
+    p_learner.add_argument("--config", default=None, help="TOML file (required unless --resume: then RUN_DIR/config.toml)")
+    p_learner.add_argument("--resume", default=None, metavar="RUN_DIR",
+                           help="continue the run in RUN_DIR from its newest complete checkpoint (run.dir is set to RUN_DIR)")
     p_actor = sub.add_parser("actor", help="run one actor (one inference engine)")
     p_actor.add_argument("--learner", required=True, help="hub address, tcp://HOST:PORT")
     p_actor.add_argument("--config", required=True)
@@ -33,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
+        if args.command == "learner":
+            args.config, args.overrides = _learner_config(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "plan":
             from learner.plan import make_plan, render
@@ -48,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             return _exec_torchrun(cfg, ranks, argv if argv is not None else sys.argv[1:])
         from learner.main import run_learner
 
-        return run_learner(cfg)
+        return run_learner(cfg, resume=args.resume is not None)
     if args.command == "actor":
         if not args.learner.startswith("tcp://"):
             print(f"fleetrl: --learner {args.learner!r}: expected tcp://HOST:PORT", file=sys.stderr)
@@ -61,6 +67,21 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging("launcher")
     return run_demo(cfg)
+
+
+def _learner_config(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """--resume RUN_DIR: the run's own resolved config unless --config is given; run.dir is RUN_DIR."""
+    if args.resume is None:
+        if args.config is None:
+            raise ConfigError("fleetrl learner: --config FILE is required (or --resume RUN_DIR)")
+        return args.config, args.overrides
+    from learner.resume import latest_checkpoint
+
+    run_dir = Path(args.resume)
+    config = args.config or str(run_dir / "config.toml")
+    if latest_checkpoint(run_dir) is None:
+        raise ConfigError(f"--resume {run_dir}: no complete checkpoint with training state in {run_dir / 'checkpoints'}")
+    return config, [*args.overrides, f"run.dir={run_dir}"]
 
 
 def _exec_torchrun(cfg, ranks: int, argv: list[str]) -> int:

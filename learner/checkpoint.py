@@ -1,6 +1,6 @@
 """Hugging Face checkpoints of the policy in RUN_DIR/checkpoints: step-N folders, the newest `keep` plus the best.
 
-    save:    write into .tmp-step-N-PID, fsync every file, rename to step-N (atomic), fsync the folder
+    save:    write into .tmp-step-N-part, fsync every file, rename to step-N (atomic), fsync the folder
     rotate:  rename each folder to go to .trash-step-N-PID (atomic), then delete it
     best:    best.json = {step, metric, value, path}, replaced atomically when a checkpoint scores higher
 
@@ -13,6 +13,10 @@ up as OSError, or as SafetensorError from safetensors' writer (it wraps the OS e
 A checkpoint's score is checkpoint.best_metric from the metrics row of its own step;
 only scored checkpoints compete for best (eval steps are checked against checkpoint
 steps in the config).
+
+The staging folder's name depends only on the step, so that every learner rank can write
+its share of the training state into it (learner/resume.py): rank 0 renames it once all
+ranks are done.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ def hf_writer(model, tokenizer, state_dict: Callable[[], dict[str, torch.Tensor]
     return write
 
 
+def staging_dir(run_dir: Path, step: int) -> Path:
+    """Where step-N is written before the rename; the same on every rank."""
+    return Path(run_dir) / "checkpoints" / f".tmp-step-{step}-part"
+
+
 def _fsync_tree(path: Path) -> None:
     """Flush every file, then the folders: after the rename, a power cut cannot leave truncated files."""
     for root, _, files in os.walk(path):
@@ -89,13 +98,17 @@ class CheckpointManager:
         every = self.cfg.every_steps
         return version > 0 and (last or (every > 0 and version % every == 0))
 
+    def wants(self, version: int, last: bool) -> bool:
+        """maybe_save(version, ..., last) will write: decided before the update, so every rank can be told."""
+        return self.due(version, last) and not (self.dir / f"step-{version}").exists()
+
     def steps(self) -> list[int]:
         """Complete checkpoints on disk, oldest first."""
         return sorted(int(p.name.removeprefix("step-")) for p in self.dir.glob("step-*") if p.name[5:].isdigit())
 
     def maybe_save(self, version: int, row: dict, last: bool = False) -> dict[str, float]:
         """Save `version` if due (idempotent), score it from `row`, rotate; metrics for the row."""
-        if not self.due(version, last) or (self.dir / f"step-{version}").exists():
+        if not self.wants(version, last):
             return {}
         t0 = time.perf_counter()
         path = self.save(version)
@@ -110,7 +123,7 @@ class CheckpointManager:
     def save(self, version: int) -> Path | None:
         """Write step-N atomically; None (logged, counted) if the write failed."""
         final = self.dir / f"step-{version}"
-        tmp = self.dir / f".tmp-step-{version}-{os.getpid()}"
+        tmp = staging_dir(self.dir.parent, version)
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()

@@ -74,6 +74,7 @@ class Hub:
         self.steps = cfg.train.mini_batches * cfg.train.ppo_epochs  # optimizer steps (versions) per update
         self.eval_round: EvalRound | None = None  # at most one; its grants never count as outstanding
         self.counters: Counter[str] = Counter()
+        self.membership = 0  # bumped when an actor registers (again) or is removed: the weight group must re-form
         self.stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -177,6 +178,16 @@ class Hub:
         with self.cond:
             return sorted(self.actors)
 
+    def members(self) -> tuple[list[str], int]:
+        """Live actors and the membership count: equal names with a new count are new connections (new workers)."""
+        with self.cond:
+            return sorted(self.actors), self.membership
+
+    def behind(self, version: int) -> list[str]:
+        """Live actors that do not serve `version`: newcomers, and actors back from a lost learner (served -1)."""
+        with self.cond:
+            return sorted(a for a, s in self.actors.items() if s.served_version < version)
+
     def send_weight_sync(self, members: list[str], make: Callable[[str, int], m.WeightSync]) -> None:
         """Send `make(actor_id, rank)` (a WeightSync) to each member, rank = position + 1."""
         assert self._loop is not None
@@ -273,14 +284,18 @@ class Hub:
     async def _on_register(self, identity: bytes, msg: m.Register) -> None:
         with self.cond:
             old = self.actors.get(msg.actor_id)
-            repeat = old is not None and old.identity == identity  # a retry from the same connection
+            # A retry from the same connection (queued retries arrive together when a learner comes back). But -1
+            # from an actor this hub saw serving a version is a rejoin: its sync failed and its worker left the
+            # weight group, which must re-form, so it counts as new.
+            repeat = old is not None and old.identity == identity and (msg.served_version >= 0 or old.served_version < 0)
             if old is not None and repeat:
                 old.last_seen = time.monotonic()
             else:
-                if old is not None:  # same id, new connection: the old process is gone
-                    self._release(msg.actor_id, "replaced by a new connection")
+                if old is not None:  # same id, new connection (the old one is gone), or a rejoin
+                    self._release(msg.actor_id, "replaced by a new connection" if old.identity != identity else "rejoined (served -1)")
                 now = time.monotonic()
-                self.actors[msg.actor_id] = ActorState(identity, now, msg.served_version, joined_at=now)
+                self.actors[msg.actor_id] = ActorState(identity, now, self._trusted(msg.served_version), joined_at=now)
+                self.membership += 1
             version = self.version
         if not repeat:
             self.log.info("hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version)
@@ -295,7 +310,7 @@ class Hub:
         with self.cond:
             state = self._known(actor_id, identity)
             if state is not None:
-                state.served_version = max(state.served_version, served_version)
+                state.served_version = max(state.served_version, self._trusted(served_version))
         if state is None:
             await self._unknown(identity, actor_id)
         return state is not None
@@ -323,7 +338,10 @@ class Hub:
         n, expected = msg.lengths.shape[0], self.cfg.rollout.samples_per_prompt
         with self.cond:
             state = self._known(msg.actor_id, identity)
-            if state is not None and n == expected:
+            ahead = msg.version_min > self.version  # weights this learner never had (a lost learner's)
+            if state is not None and ahead:
+                self.counters["rejected_ahead"] += 1
+            elif state is not None and n == expected:
                 state.held.discard(key)
                 if self.ledger.receive(key):
                     state.groups += 1
@@ -337,6 +355,8 @@ class Hub:
                 self.counters["bad_group_size"] += 1
         if state is None:
             await self._unknown(identity, msg.actor_id)
+        elif ahead:
+            await self._send(identity, m.Error(code="rejected", detail=f"group of version {msg.version_min} is newer than the learner's {self.version}"))
         elif n != expected:
             await self._send(identity, m.Error(code="rejected", detail=f"group has {n} samples, expected {expected}"))
         await self._pump()
@@ -367,6 +387,14 @@ class Hub:
         m.EvalResult: _on_eval_result,
         m.WeightVersion: _on_weight_version,
     }
+
+    def _trusted(self, served_version: int) -> int:
+        """Caller holds the lock. A version above the learner's comes from weights of a learner that died after
+        its last checkpoint (the resumed one retrains those versions differently): it counts as none (-1)."""
+        if served_version > self.version:
+            self.counters["served_ahead"] += 1
+            return -1
+        return served_version
 
     def _drop_stale(self, item: Accepted) -> None:
         """Caller holds the lock. The sample may never be trained on; its prompt goes back to the queue."""
@@ -418,6 +446,7 @@ class Hub:
     def _release(self, actor_id: str, why: str) -> None:
         """Caller holds the lock: forget an actor and requeue what it held."""
         state = self.actors.pop(actor_id)
+        self.membership += 1
         if self.eval_round is not None:
             self.eval_round.release_actor(actor_id)
         for key in list(state.held):
@@ -447,3 +476,25 @@ class Hub:
     async def _shutdown_actors(self, reason: str) -> None:
         for state in list(self.actors.values()):
             await self._send(state.identity, m.Shutdown(reason=reason))
+
+    # ---- learner restart (learner/resume.py) ------------------------------------------------------
+    def export_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the hub: the ledger, the counters, the bound in force."""
+        with self.cond:
+            return {"ledger": self.ledger.state_dict(), "counters": dict(self.counters), "max_staleness": self.max_staleness}
+
+    def restore(self, state: dict[str, Any], version: int) -> None:
+        """Before start(): continue from a checkpoint taken at `version`."""
+        assert not self._thread.is_alive(), "restore before the hub starts"
+        ledger = Ledger.from_state(state["ledger"], self.cfg.data.epochs)
+        if ledger.num_prompts != len(self.prompts):
+            raise ValueError(f"data: the checkpoint's ledger has {ledger.num_prompts} prompts, the prompt set now has "
+                             f"{len(self.prompts)}; resume with the same data (data.path, data.val_fraction, run.seed)")
+        k = state["max_staleness"]  # the bound in force when the checkpoint was taken (it may have been changed live)
+        if k < self.steps - 1:
+            raise ValueError(f"max_staleness: the checkpoint's {k} < {self.steps} optimizer steps per update - 1")
+        if k != self.max_staleness:
+            self.log.info("hub.max_staleness_restored", config=self.max_staleness, checkpoint=k)
+        with self.cond:
+            self.ledger, self.version, self.max_staleness = ledger, version, k
+            self.counters = Counter(state["counters"])

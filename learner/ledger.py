@@ -9,6 +9,11 @@ runs dry, each in its own seeded shuffle, so a resumed run replays the same orde
 A result for a prompt that is already received or trained is a duplicate: counted,
 not trained again. A late result for a prompt whose lease expired is still taken
 while nobody else has delivered it (the work was done; wasting it helps no one).
+
+A learner checkpoint stores the ledger (`state_dict`). On resume (`from_state`) granted
+and received prompts go back to pending, at the front of the queue: the groups in the
+dead learner's buffer died with it, and an actor's late result for an old grant is
+dropped by the actor itself (it re-registered), so either would otherwise be lost.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 Key = tuple[int, int]  # (epoch, prompt_id)
 
@@ -26,6 +32,10 @@ class State(Enum):
     GRANTED = "granted"
     RECEIVED = "received"
     TRAINED = "trained"
+
+
+_CODE = {State.PENDING: "p", State.GRANTED: "g", State.RECEIVED: "r", State.TRAINED: "t"}  # one char per prompt in a checkpoint
+_STATE = {c: s for s, c in _CODE.items()}
 
 
 @dataclass(slots=True)
@@ -116,3 +126,43 @@ class Ledger:
     def check(self) -> None:
         """Invariant: every prompt of every opened epoch has exactly one entry."""
         assert len(self.entries) == self.epochs_opened * self.num_prompts, "ledger lost or invented a prompt"
+
+    # ---- checkpoint ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready: each opened epoch's states as one string (a char per prompt id), the pending queue in order.
+
+        The queue is what makes the order exact: requeued prompts sit at its front, and the rest of
+        the open epoch follows in its seeded shuffle. Epochs not yet opened follow from seed alone.
+        """
+        queue, seen = [], set()
+        for key in self.queue:
+            if key not in seen and self.entries[key].state is State.PENDING:
+                seen.add(key)
+                queue.append(list(key))
+        return {
+            "num_prompts": self.num_prompts, "seed": self.seed, "epochs_opened": self.epochs_opened,
+            "states": ["".join(_CODE[self.entries[(e, p)].state] for p in range(self.num_prompts)) for e in range(self.epochs_opened)],
+            "queue": queue, "counts": dict(self.counts),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], max_epochs: int) -> Ledger:
+        """Rebuild a checkpointed ledger; its granted and received prompts return to pending (requeued_resume)."""
+        ledger = cls(state["num_prompts"], max(max_epochs, state["epochs_opened"]), state["seed"])
+        ledger.epochs_opened = state["epochs_opened"]
+        assert len(state["states"]) == ledger.epochs_opened, "ledger state: one state string per opened epoch"
+        for epoch, codes in enumerate(state["states"]):
+            assert len(codes) == ledger.num_prompts, f"ledger state: epoch {epoch} has {len(codes)} prompts, not {ledger.num_prompts}"
+            for pid, code in enumerate(codes):
+                ledger.entries[(epoch, pid)] = Entry(_STATE[code])
+        queue: list[Key] = [(int(e), int(p)) for e, p in state["queue"]]
+        assert all(ledger.entries[k].state is State.PENDING for k in queue), "ledger state: a queued prompt is not pending"
+        lost = sorted(k for k, e in ledger.entries.items() if e.state in (State.GRANTED, State.RECEIVED))
+        for key in lost:
+            ledger.entries[key].state = State.PENDING
+        ledger.queue = deque([*lost, *queue])
+        pending = sum(e.state is State.PENDING for e in ledger.entries.values())
+        assert pending == len(ledger.queue), f"ledger state: {pending} pending prompts, {len(ledger.queue)} queued"
+        ledger.counts = Counter(state["counts"])
+        ledger.counts["requeued_resume"] += len(lost)
+        return ledger

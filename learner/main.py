@@ -6,11 +6,17 @@
     rank 0:  version += S -> ledger: trained; grants resume -> broadcast weights to the actors
              -> every eval.every_steps: the actors evaluate this version (learner/evaluation.py)
              -> every checkpoint.every_steps: Hugging Face checkpoint of the snapshot (learner/checkpoint.py)
+                plus the training state; every rank saves its DeepSpeed shard (learner/resume.py)
              -> metrics
+    while waiting for rollouts: actors that do not serve the current version get the held snapshot
+
+`--resume`: every rank loads the newest complete checkpoint's engines; rank 0 restores the hub
+(ledger, version, counters) and the metrics rows before any actor can register.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -19,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from learner.checkpoint import CheckpointManager, hf_writer
+from learner.checkpoint import WRITE_ERRORS, CheckpointManager, hf_writer, staging_dir
 from learner.data import load_datasets
 from learner.distributed import Topology, init_distributed, make_topology
 from learner.evaluation import Evaluator
@@ -27,6 +33,18 @@ from learner.hub import Hub
 from learner.intake import take_update_batch
 from learner.metrics import MetricsWriter
 from learner.plan import make_plan, render
+from learner.resume import (
+    STATE_DIR,
+    LearnerState,
+    agree_on_checkpoint,
+    check_compatible,
+    discard_newer,
+    load_engines,
+    read_learner_state,
+    restore_metrics,
+    save_engines,
+    write_learner_state,
+)
 from learner.shard import Share, scatter_shares
 from learner.trainer import StepLayout, Trainer, make_shares
 from learner.weight_sync import WeightSender
@@ -36,8 +54,11 @@ from protocol.logs import set_context, setup_logging
 from protocol.net import pin_cpus
 
 
-def run_learner(cfg: Config) -> int:
-    """Every learner rank runs this; rank 0 also runs the hub, the weight sender and the metrics."""
+def run_learner(cfg: Config, resume: bool = False) -> int:
+    """Every learner rank runs this; rank 0 also runs the hub, the weight sender and the metrics.
+
+    `resume`: continue from the newest complete checkpoint in run.dir (learner/resume.py).
+    """
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     init_distributed()
     topo = make_topology(cfg.train.sequence_parallel_size)
@@ -64,62 +85,108 @@ def run_learner(cfg: Config) -> int:
                         accumulation=plan.accumulation)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
     trainer = Trainer(cfg, model, topo, layout)
+    checkpoint = None
+    if resume:
+        checkpoint = agree_on_checkpoint(topo, run_dir)
+        check_compatible(read_learner_state(checkpoint), topo, cfg.train.zero_stage, layout.steps)
+        load_engines(trainer, checkpoint / STATE_DIR)
+        log.info("learner.resumed_engines", checkpoint=str(checkpoint), optimizer_steps=trainer.engine.global_steps)
     if not topo.is_root:
         return _run_follower(cfg, topo, trainer, log)
     assert data is not None
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     log.info("learner.plan", text="\n" + render(plan))
-    return _run_root(cfg, topo, trainer, tokenizer, data, plan.rollout_batches, run_dir, log)
+    return _run_root(cfg, topo, trainer, tokenizer, data, plan.rollout_batches, run_dir, log, checkpoint)
 
 
 def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
-    """Ranks 1..N-1: train the share rank 0 hands out, join the weight snapshot, until told to stop."""
+    """Ranks 1..N-1: train the share rank 0 hands out, join the weight snapshot and the checkpoints, until told to stop."""
     buckets = wg.plan_buckets(trainer.full_shapes(), wg.DTYPES[cfg.model.dtype].itemsize, cfg.weights.bucket_mb << 20)
+    trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)  # rank 0 primes its weight sender at start
     updates = 0
     while True:
         share = scatter_shares(topo, None)
+        if not share.stop:
+            trainer.update(share)
+            set_context(policy_version=share.version + trainer.layout.steps)
+            trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)
+            updates += 1
+        if share.save_step:  # rank 0 writes the same checkpoint now (it decided before the update)
+            save_engines(trainer, staging_dir(Path(cfg.run.dir), share.save_step) / STATE_DIR)
         if share.stop:
             break
-        trainer.update(share)
-        set_context(policy_version=share.version + trainer.layout.steps)
-        trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)
-        updates += 1
     log.info("learner.done", rank=topo.rank, updates=updates)
     return 0
 
 
-def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, total_updates: int, run_dir: Path, log) -> int:
+def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, total_updates: int, run_dir: Path, log,
+              checkpoint: Path | None) -> int:
     prompts = data.train
     hub = Hub(cfg, prompts)
+    version, updates = 0, 0
+    kept_rows: list[dict] = []
+    last_row: dict = {}  # the newest metrics row, kept in the checkpoint's learner state
+    if checkpoint is not None:  # before hub.start(): no actor sees the hub before it holds the restored ledger
+        state = read_learner_state(checkpoint)
+        hub.restore(state.hub, state.version)
+        version, updates, last_row = state.version, state.updates, state.row
+        kept_rows = restore_metrics(run_dir, state)
+        discard_newer(run_dir, updates)
+        set_context(policy_version=version)
+        log.info("learner.resumed", checkpoint=str(checkpoint), updates=updates, version=version, ledger=hub.ledger.state_counts(),
+                 max_staleness=hub.max_staleness)
     hub.start()
     names = [n for n, _ in trainer.named_parameters()]
     sender = WeightSender(cfg.weights, names, trainer.full_shapes(), cfg.model.dtype)
+    # Collective under ZeRO-3 (the followers join it at start): the weights any late or returning actor gets.
+    sender.prime(lambda out: trainer.snapshot(sender.buckets, sender.torch_dtype, out))
     metrics = MetricsWriter(run_dir)
+    metrics.rows.extend(kept_rows)  # the plot covers the whole run
     evaluator = Evaluator(cfg, data.eval_sets(), hub)
     # Checkpoints are written from the weight snapshot rank 0 already holds: full weights even under ZeRO-3.
-    checkpoints = CheckpointManager(cfg.checkpoint, run_dir, hf_writer(trainer.engine.module, tokenizer, sender.state_dict))
+    hf = hf_writer(trainer.engine.module, tokenizer, sender.state_dict)
+
+    def write_checkpoint(path: Path) -> None:
+        """DeepSpeed state first: the other ranks are in save_checkpoint already (Share.save_step told them)."""
+        try:
+            save_engines(trainer, path / STATE_DIR)
+        except WRITE_ERRORS as e:
+            if topo.world > 1:  # the other ranks may be waiting at DeepSpeed's closing barrier: stop the group
+                raise RuntimeError(f"checkpoint {path}: DeepSpeed state write failed on rank 0: {e}") from e
+            raise
+        hf(path)
+        # `updates`, `version` and `last_row` are read when the checkpoint is written, after the update it follows.
+        write_learner_state(path / STATE_DIR, LearnerState(
+            updates=updates, version=version, steps_per_update=trainer.layout.steps, world=topo.world,
+            zero_stage=cfg.train.zero_stage, hub=hub.export_state(), row=last_row))
+
+    checkpoints = CheckpointManager(cfg.checkpoint, run_dir, write_checkpoint)
     params = sum(int(np.prod(s)) for s in trainer.full_shapes())
     log.info("learner.ready", prompts=len(prompts), eval_prompts={k: len(v) for k, v in data.eval_sets().items()}, params=params,
              ranks=topo.world, dp=topo.dp_size, sp=topo.sp_size, steps_per_update=trainer.layout.steps, hub=cfg.hub.bind,
-             weight_port=sender.port)
+             weight_port=sender.port, updates=updates, version=version)
 
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     t_start = time.perf_counter()
-    version, updates = 0, 0
     steps = trainer.layout.steps
+    stop_sent = False
     try:
         while updates < total_updates and not stop["flag"]:
             t0 = time.perf_counter()
-            taken = take_update_batch(hub, cfg, stop, log)
+            taken = take_update_batch(hub, cfg, stop, log, on_idle=functools.partial(sender.resync, version, hub))
             if taken is None:
                 break
             batch, filtered = taken
             t_wait = time.perf_counter() - t0
             k = hub.max_staleness
             groups = [item.group for item in batch]
+            # Decided before the update so that every rank saves after the same one (Share.save_step).
+            save_step = updates + 1 if checkpoints.wants(updates + 1, last=updates + 1 >= total_updates) else 0
             try:
                 shares, advantages = make_shares(cfg, groups, version, k, topo.dp_size)
+                for share in shares:
+                    share.save_step = save_step
                 stats = trainer.update(scatter_shares(topo, shares))
             except Exception:
                 hub.abort_update(batch + filtered)
@@ -147,14 +214,20 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                 "grad_norm": stats.grad_norm, "adv_abs_mean": float(advantages.abs().mean()), "max_staleness": k,
                 "groups_filtered": len(filtered), "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
             }
+            last_row = row
             row.update(checkpoints.maybe_save(updates, row, last))
             metrics.write(row)
             log.info("learner.step", step=updates, version=version, reward=round(reward_mean, 3), staleness_max=max(stale),
                      mismatch=None if stats.on_policy_tokens == 0 else float(f"{stats.logprob_mismatch:.2e}"),
                      wait_s=round(t_wait, 2), train_s=round(t_train, 2), sync_s=round(sync["time/weight_sync"], 3), broadcast_s=round(sync.get("time/broadcast", 0.0), 3))
-        checkpoints.maybe_save(updates, {}, last=True)  # stopped early (SIGTERM): keep what was trained
-    finally:
+        # Stopped early (SIGTERM): keep what was trained, training state included, so --resume can go on.
+        final = updates if checkpoints.wants(updates, last=True) else 0
         if topo.world > 1:
+            scatter_shares(topo, [Share(samples=[], mini_batch_tokens=[], stop=True, save_step=final)] * topo.dp_size)
+            stop_sent = True
+        checkpoints.maybe_save(updates, {}, last=True)
+    finally:
+        if topo.world > 1 and not stop_sent:
             scatter_shares(topo, [Share(samples=[], mini_batch_tokens=[], stop=True)] * topo.dp_size)
         sender.wait()
         hub.stop("run finished" if updates >= total_updates else "learner stopping")

@@ -6,7 +6,7 @@ loss divides by. Advantages that need a whole group (GRPO) are computed on rank 
 the split, so a group may span ranks.
 
 Layout of the buffer (little endian):
-    int64 header [samples, mini_batches, total token ids, completion tokens, version, max_staleness]
+    int64 header [samples, mini_batches, total token ids, completion tokens, version, max_staleness, save_step]
                                                                                    (samples = -1: stop)
     int64  mini_batch_tokens [mini_batches]
     int32  lengths [samples], prompt_lens [samples], versions [samples, 2]
@@ -28,6 +28,8 @@ import torch.distributed as dist
 from learner.batch import Sample
 from learner.distributed import Topology
 
+HEADER_BYTES = 7 * 8
+
 
 @dataclass(kw_only=True, slots=True)
 class Share:
@@ -36,16 +38,18 @@ class Share:
     version: int = 0  # the policy version the update starts from
     max_staleness: int = 0  # the bound in force for this update (it can change during a run)
     stop: bool = False  # rank 0 is ending the run: no update follows
+    save_step: int = 0  # after this update (or before stopping) every rank saves its training state into checkpoint step-N (0 = no)
 
 
 def encode_share(share: Share) -> np.ndarray:
     if share.stop:
-        return np.array([-1, 0, 0, 0, 0, 0], dtype=np.int64).view(np.uint8)
+        return np.array([-1, 0, 0, 0, 0, 0, share.save_step], dtype=np.int64).view(np.uint8)
     s = share.samples
     tokens = np.concatenate([x.tokens for x in s]).astype(np.int32) if s else np.zeros(0, np.int32)
     behaviour = np.concatenate([x.behaviour_logprobs for x in s]).astype(np.float32) if s else np.zeros(0, np.float32)
     parts = [
-        np.array([len(s), len(share.mini_batch_tokens), tokens.size, behaviour.size, share.version, share.max_staleness], dtype=np.int64),
+        np.array([len(s), len(share.mini_batch_tokens), tokens.size, behaviour.size, share.version, share.max_staleness, share.save_step],
+                 dtype=np.int64),
         np.asarray(share.mini_batch_tokens, dtype=np.int64),
         np.array([len(x.tokens) for x in s], dtype=np.int32),
         np.array([x.prompt_len for x in s], dtype=np.int32),
@@ -59,11 +63,11 @@ def encode_share(share: Share) -> np.ndarray:
 
 
 def decode_share(buf: np.ndarray) -> Share:
-    header = buf[:48].view(np.int64)
-    n, mbs, ntok, ncomp, version, k = (int(x) for x in header)
+    header = buf[:HEADER_BYTES].view(np.int64)
+    n, mbs, ntok, ncomp, version, k, save_step = (int(x) for x in header)
     if n < 0:
-        return Share(samples=[], mini_batch_tokens=[], stop=True)
-    offset = 48
+        return Share(samples=[], mini_batch_tokens=[], stop=True, save_step=save_step)
+    offset = HEADER_BYTES
 
     def take(dtype: type, count: int) -> np.ndarray:
         nonlocal offset
@@ -86,7 +90,7 @@ def decode_share(buf: np.ndarray) -> Share:
             advantage=float(advantages[i]), reward=float(rewards[i]),
             version_min=int(versions[i, 0]), version_max=int(versions[i, 1])))
         t, c = t + length, c + length - plen
-    return Share(samples=samples, mini_batch_tokens=[int(x) for x in mb_tokens], version=version, max_staleness=k)
+    return Share(samples=samples, mini_batch_tokens=[int(x) for x in mb_tokens], version=version, max_staleness=k, save_step=save_step)
 
 
 def scatter_shares(topo: Topology, shares: list[Share] | None) -> Share:

@@ -3,8 +3,16 @@
 Membership changes only at sync boundaries: when the set of live actors differs
 from the last group's, the next sync forms a new group epoch (every member gets
 a WeightSync naming it, a newcomer included, and joins before the broadcast).
-A failed broadcast (a member died: gloo times out) leaves no group behind; the
-next sync forms a new epoch without the dead member.
+An actor that registered again (same id, new connection: its learner went away)
+counts as a change too, since its worker left the old group. A failed broadcast
+(a member died: gloo times out) leaves no group behind; the next sync forms a new
+epoch without the dead member.
+
+While the learner waits for rollouts, `resync` sends the snapshot it already holds
+(no new gather) to a group that includes actors not serving the current version.
+Without it, a learner whose every actor is new (a resumed learner, or a fleet that was
+replaced) would wait forever: the hub grants work only to actors serving the current
+version, and the next sync only comes after the next update.
 
 Only the sending thread touches the group; `sync` and `wait` hand work to it.
 """
@@ -42,6 +50,8 @@ class WeightSender:
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.epoch = 0
         self.members: list[str] = []
+        self.membership = -1  # the hub's membership count when the group was formed
+        self.sent: tuple[int, int] | None = None  # (membership, version) of the last broadcast started
         self.group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
         self._error: str | None = None
@@ -63,18 +73,42 @@ class WeightSender:
         """
         t0 = time.perf_counter()
         out = self.wait()
-        # Reused across syncs; safe because wait() above finished the broadcast that read them.
-        self._flats = flats = snapshot(self._flats)
-        assert flats is not None
-        members = hub.live_actors()
+        self.prime(snapshot)
+        out.update(self._send(version, hub))
+        out["time/weight_sync"] = time.perf_counter() - t0
+        return out
+
+    def prime(self, snapshot: Snapshot) -> None:
+        """Take the snapshot (collective under ZeRO-3) without sending it: at start, so `resync` has weights to send."""
+        assert self._thread is None, "a broadcast may be reading the snapshot"
+        # Reused across syncs; safe because wait() finished the broadcast that read them.
+        self._flats = snapshot(self._flats)
+
+    def resync(self, version: int, hub: Hub) -> dict[str, float] | None:
+        """While idle: send the held snapshot (of `version`) if an actor does not serve it and has not been sent it."""
+        if self._flats is None or (self._thread is not None and self._thread.is_alive()):
+            return None
+        behind = hub.behind(version)
+        if not behind or (self.sent == (hub.members()[1], version) and self._error is None):
+            return None  # everyone serves it, or this very group was sent it (the actors' answers are on their way)
+        t0 = time.perf_counter()
+        out = self.wait()
+        out.update(self._send(version, hub))
+        self.log.info("weights.resync", version=version, behind=behind, epoch=self.epoch, wait_s=round(time.perf_counter() - t0, 3))
+        return out
+
+    def _send(self, version: int, hub: Hub) -> dict[str, float]:
+        flats = self._flats
+        assert flats is not None and self._thread is None
+        members, membership = hub.members()
         if not members:
-            out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": 0.0})
-            return out
-        if members != self.members or self.group is None:
+            return {"weights/members": 0.0}
+        if members != self.members or membership != self.membership or self.group is None:
             self.epoch += 1
-            self.members, self.group = members, None
+            self.members, self.membership, self.group = members, membership, None
             self.log.info("weights.new_group_epoch", epoch=self.epoch, members=members)
         epoch, world = self.epoch, len(members) + 1
+        self.sent = (membership, version)
 
         def make(actor_id: str, rank: int) -> m.WeightSync:
             return m.WeightSync(
@@ -85,8 +119,7 @@ class WeightSender:
         hub.send_weight_sync(members, make)
         self._thread = threading.Thread(target=self._broadcast, args=(flats, epoch, world), name="fleetrl-weights", daemon=True)
         self._thread.start()
-        out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": float(len(members))})
-        return out
+        return {"weights/members": float(len(members))}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The last snapshot as named full tensors (views of the buckets), for a checkpoint."""

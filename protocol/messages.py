@@ -38,7 +38,7 @@ class Register(Message):
     actor_id: str  # unique per actor process (host-pid-random)
     host: str  # hostname, for the operator
     pid: int
-    served_version: int  # policy version the engine holds now (-1: initial weights from disk)
+    served_version: int  # policy version the engine holds now (-1: none of this learner's: it lost the learner or a sync)
 
 
 @dataclass(kw_only=True, slots=True)

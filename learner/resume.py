@@ -1,0 +1,167 @@
+"""Learner restart: what a checkpoint holds beyond the weights, and how `fleetrl learner --resume RUN_DIR` continues.
+
+    RUN_DIR/checkpoints/step-N/            one folder, complete once renamed (learner/checkpoint.py)
+        config.json, model.safetensors, tokenizer files    Hugging Face weights (rank 0, from the weight snapshot)
+        state/policy/...                   DeepSpeed engine state: every rank's ZeRO shard of the optimizer, the
+                                           LR scheduler, the step count (engine.save_checkpoint: collective)
+        state/critic/...                   the critic's engine (algo.advantage = gae)
+        state/learner.json                 rank 0: version, updates, ledger, hub counters, max_staleness, row N
+
+Saving is collective: rank 0 decides before an update that it ends with a checkpoint and says so in
+the share's header (Share.save_step), so every rank calls save_checkpoint after the same update and
+in the same place among the collectives (after the weight snapshot). DeepSpeed's save opens and closes
+with a barrier, so when rank 0 renames the folder every rank's files are in it. The rename makes it
+complete: resume takes the newest step-N with state/learner.json; an interrupted write left only a
+.tmp-step-N-part folder, which is removed at the next start.
+
+Resume, on every rank: load the engines (weights, optimizer, scheduler), take a weight snapshot.
+Rank 0 also restores the hub (ledger, counters, version) before any actor can register, cuts
+metrics.jsonl back to rows 1..N (rows of updates after the checkpoint are retrained), and sends
+the restored weights to every actor that registers (WeightSender.resync): no actor generates until
+it serves them.
+
+Limits: the learner ranks and ZeRO stage must be those of the checkpoint (DeepSpeed shards the
+optimizer per rank). With several ranks, a write error inside DeepSpeed's save on one rank can
+leave the others at its closing barrier until the learner group's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from learner.distributed import Topology
+from protocol.config import ConfigError
+from protocol.logs import get_logger
+
+if TYPE_CHECKING:
+    from learner.trainer import Trainer
+
+STATE_DIR = "state"
+LEARNER_FILE = "learner.json"
+FORMAT = 1  # bump when LearnerState changes incompatibly
+
+
+@dataclass(kw_only=True, slots=True)
+class LearnerState:
+    """Rank 0's part of a checkpoint (JSON)."""
+
+    format: int = FORMAT
+    updates: int  # rollout batches trained: the checkpoint is step-<updates>
+    version: int  # policy version = optimizer steps taken
+    steps_per_update: int  # S = mini_batches x ppo_epochs
+    world: int  # learner ranks that wrote the DeepSpeed shards
+    zero_stage: int
+    hub: dict[str, Any]  # Hub.export_state(): ledger, counters, max_staleness
+    row: dict[str, Any] = field(default_factory=dict)  # metrics row of update N, in case the crash beat its write
+
+
+def save_engines(trainer: Trainer, folder: Path) -> None:
+    """Collective: every rank writes its DeepSpeed state (its ZeRO shard) for the policy, and the critic if any."""
+    trainer.engine.save_checkpoint(str(folder), tag="policy", save_latest=False)
+    if trainer.critic is not None:
+        trainer.critic.save_checkpoint(str(folder), tag="critic", save_latest=False)
+
+
+def load_engines(trainer: Trainer, folder: Path) -> None:
+    """Collective: weights, optimizer moments, LR scheduler and step count, as saved."""
+    for name, engine in (("policy", trainer.engine), ("critic", trainer.critic)):
+        if engine is None:
+            continue
+        path, _ = engine.load_checkpoint(str(folder), tag=name, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise ValueError(f"--resume: no {name} state in {folder}")
+
+
+def write_learner_state(folder: Path, state: LearnerState) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / LEARNER_FILE).write_text(json.dumps(asdict(state)) + "\n")
+
+
+def read_learner_state(checkpoint: Path) -> LearnerState:
+    data = json.loads((checkpoint / STATE_DIR / LEARNER_FILE).read_text())
+    if data.get("format") != FORMAT:
+        raise ValueError(f"--resume: {checkpoint} has learner state format {data.get('format')}, this code reads {FORMAT}")
+    return LearnerState(**data)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint with training state: step-N (renamed, so complete) holding state/learner.json."""
+    folder = Path(run_dir) / "checkpoints"
+    steps = sorted((int(p.name[5:]), p) for p in folder.glob("step-*") if p.name[5:].isdigit()) if folder.is_dir() else []
+    for _, path in reversed(steps):
+        if (path / STATE_DIR / LEARNER_FILE).is_file():
+            return path
+        get_logger().warning("resume.checkpoint_without_state", path=str(path))  # weights only: cannot continue from it
+    return None
+
+
+def agree_on_checkpoint(topo: Topology, run_dir: Path) -> Path:
+    """Collective: rank 0 picks the checkpoint, every rank loads that one (a shared run.dir is assumed)."""
+    found = latest_checkpoint(run_dir) if topo.is_root else None
+    step = torch.tensor([int(found.name[5:]) if found is not None else -1], dtype=torch.int64, device=topo.device)
+    if topo.world > 1:
+        dist.broadcast(step, src=0)
+    if int(step.item()) < 0:
+        raise ValueError(f"--resume {run_dir}: no complete checkpoint with training state in {Path(run_dir) / 'checkpoints'}")
+    return Path(run_dir) / "checkpoints" / f"step-{int(step.item())}"
+
+
+def check_compatible(state: LearnerState, topo: Topology, zero_stage: int, steps_per_update: int) -> None:
+    if state.world != topo.world or state.zero_stage != zero_stage:
+        raise ConfigError(f"cluster: the checkpoint was written by {state.world} learner rank(s) with ZeRO-{state.zero_stage}; "
+                          f"this learner has {topo.world} with ZeRO-{zero_stage}: resume with the same ones")
+    if state.steps_per_update != steps_per_update:
+        raise ConfigError(f"train.mini_batches x train.ppo_epochs: {steps_per_update} optimizer steps per update, "
+                          f"the checkpoint's run took {state.steps_per_update}: resume with the same ones")
+
+
+def restore_metrics(run_dir: Path, state: LearnerState) -> list[dict]:
+    """Cut metrics.jsonl back to the rows of updates 1..N (later ones are retrained); returns them.
+
+    The file is rewritten atomically. A torn last line (SIGKILL mid-write) is dropped. Row N comes
+    from the checkpoint when the crash came between the checkpoint and that row's write.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    rows: dict[int, dict] = {}
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, int) and 1 <= step <= state.updates and step not in rows:
+            rows[step] = row
+    if state.updates not in rows and state.row:
+        rows[state.updates] = state.row
+    missing = [s for s in range(1, state.updates + 1) if s not in rows]
+    if missing:
+        get_logger().warning("resume.metrics_rows_missing", steps=missing[:20], count=len(missing))
+    kept = [rows[s] for s in sorted(rows)]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    get_logger().info("resume.metrics", lines=len(lines), kept=len(kept))
+    return kept
+
+
+def discard_newer(run_dir: Path, step: int) -> None:
+    """Checkpoint folders after `step` belong to the abandoned future; best.json must not point at one."""
+    folder = Path(run_dir) / "checkpoints"
+    for path in folder.glob("step-*"):
+        if path.name[5:].isdigit() and int(path.name[5:]) > step:
+            trash = folder / f".trash-{path.name}-{os.getpid()}"
+            path.rename(trash)
+            shutil.rmtree(trash)
+            get_logger().warning("resume.discarded_checkpoint", path=str(path))
+    best = folder / "best.json"
+    if best.exists() and json.loads(best.read_text()).get("step", 0) > step:
+        best.unlink()

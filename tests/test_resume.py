@@ -1,0 +1,355 @@
+"""Learner restart: checkpoints hold the training state, `fleetrl learner --resume RUN_DIR` continues from the newest
+complete one, and running actors wait for the learner and come back by themselves.
+
+Unit tests: the ledger's state round trip (granted and received prompts return to pending, the order and the
+next epochs' shuffles continue exactly), metrics.jsonl cut back to the checkpoint, and an interrupted checkpoint
+write that resume must never take. The engine test kills a real learner (SIGKILL) mid-run and resumes it while
+its vLLM actor keeps running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from learner.ledger import Ledger, State
+from learner.resume import LearnerState, latest_checkpoint, restore_metrics
+from protocol.net import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _drain(ledger: Ledger, n: int) -> list:
+    return [ledger.next_pending() for _ in range(n)]
+
+
+def test_ledger_round_trip_requeues_in_flight_and_continues_the_order():
+    a = Ledger(num_prompts=7, max_epochs=3, seed=11)
+    keys = _drain(a, 9)  # epoch 0 whole, 2 of epoch 1
+    assert [k[0] for k in keys] == [0] * 7 + [1] * 2
+    for k in keys:
+        a.grant(k, "x", deadline=5.0)
+    for k in keys[:6]:
+        assert a.receive(k)
+    for k in keys[:4]:
+        a.trained(k)
+    a.requeue(keys[4], "stale")  # received -> pending, at the front of the queue
+    a.expire(now=10.0)  # keys 6, 7, 8 were granted: their lease is over, pending again (each to the front)
+    assert a.receive(keys[7])  # a late result: received, and still in the queue as a stale entry
+    assert a.next_pending() == keys[8]
+    a.grant(keys[8], "y", deadline=50.0)
+    # trained 0-3; pending 4 and 6 (and the rest of epoch 1); received 5 and 7; granted 8
+    state = json.loads(json.dumps(a.state_dict()))  # what learner.json holds
+    code = {0: "t", 1: "t", 2: "t", 3: "t", 4: "p", 5: "r", 6: "p", 7: "r", 8: "g"}
+    by_key = {k: code[i] for i, k in enumerate(keys)}
+    assert state["states"] == ["".join(by_key.get((e, p), "p") for p in range(7)) for e in (0, 1)]
+    assert state["queue"][:2] == [list(keys[6]), list(keys[4])] and len(state["queue"]) == 2 + 5  # no stale entry
+    b = Ledger.from_state(state, max_epochs=3)
+    b.check()
+    states = {k: e.state for k, e in b.entries.items()}
+    assert [states[k] for k in keys[:4]] == [State.TRAINED] * 4
+    assert all(s in (State.TRAINED, State.PENDING) for s in states.values())  # nothing is in flight after a restart
+    assert b.counts["requeued_resume"] == 3 and b.counts["requeued_stale"] == 1 and b.counts["requeued_lease"] == 3
+    # The prompts that were in flight come first; then exactly what the uninterrupted ledger hands out next,
+    # through the rest of epoch 1 and all of epoch 2 (its seeded shuffle).
+    rest_a = list(iter(a.next_pending, None))
+    rest_b = list(iter(b.next_pending, None))
+    assert rest_b == sorted([keys[5], keys[7], keys[8]]) + rest_a
+    assert len(rest_b) == 3 * 7 - 4 and {k[0] for k in rest_a} == {0, 1, 2}
+    assert not set(keys[:4]) & set(rest_b)  # trained prompts are never handed out again in their epoch
+
+
+def test_ledger_state_is_checked_on_load():
+    a = Ledger(num_prompts=3, max_epochs=2, seed=0)
+    k = a.next_pending()
+    a.grant(k, "x", 1.0)
+    state = a.state_dict()
+    assert state["epochs_opened"] == 1 and state["states"] == ["".join("g" if p == k[1] else "p" for p in range(3))]
+    with pytest.raises(AssertionError, match="one state string per opened epoch"):
+        Ledger.from_state({**state, "states": ["ppp", "ppp"]}, max_epochs=2)
+    with pytest.raises(AssertionError, match="pending"):  # a queued prompt that the states call trained
+        Ledger.from_state({**state, "states": ["ttt"]}, max_epochs=2)
+
+
+def test_restored_hub_admits_only_actors_serving_its_weights():
+    """A resumed hub at version 4: an actor still holding weights from the dead learner's future (version 6) gets
+    no work and its groups are rejected until it serves the resumed weights; the in-flight prompts come back first,
+    trained ones never. An actor that re-registers serving -1 forms a new weight-group membership; its retries do not."""
+    import zmq
+    from conftest import rollout_group
+
+    from deploy.tiny import build_tokenizer
+    from learner.data import PromptSet, addition_items
+    from learner.hub import Hub
+    from protocol import messages as m
+    from protocol.codec import decode, encode
+    from protocol.config import load_config
+
+    port = free_port()
+    cfg = load_config(None, [f"hub.bind=tcp://127.0.0.1:{port}", "rollout.samples_per_prompt=3", "train.prompts_per_step=4",
+                             "staleness.max_staleness=1"])
+    prompts = PromptSet(addition_items(), build_tokenizer())
+    dead = Hub(cfg, prompts)  # the learner that died: 8 prompts granted and received, 4 of them trained
+    keys = [dead.ledger.next_pending() for _ in range(8)]
+    for k in keys:
+        dead.ledger.grant(k, "a0", 1e9)
+        dead.ledger.receive(k)
+    for k in keys[:4]:
+        dead.ledger.trained(k)
+    dead.counters["granted"] = 8
+    hub = Hub(cfg, prompts)
+    hub.restore(json.loads(json.dumps(dead.export_state())), version=4)
+    hub.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def ask(msg):
+        sock.send_multipart(encode(msg))
+        assert sock.poll(5000), "the hub did not answer"
+        return decode(sock.recv_multipart())
+
+    try:
+        ack = ask(m.Register(actor_id="a0", host="h", pid=1, served_version=6))
+        assert isinstance(ack, m.RegisterAck) and ack.policy_version == 4
+        sock.send_multipart(encode(m.WorkRequest(actor_id="a0", max_prompts=8)))
+        assert not sock.poll(1500), "an actor serving weights the resumed learner never had got work"
+        reply = ask(rollout_group(n=3, actor="a0", version=6, prompt_id=keys[5][1], epoch=keys[5][0]))
+        assert reply.code == "rejected" and "newer than the learner's 4" in reply.detail
+        snap = hub.snapshot()
+        assert snap["hub/served_ahead"] == 1 and snap["hub/rejected_ahead"] == 1 and snap["ledger/received"] == 0
+        assert snap["hub/granted"] == 8 and snap["ledger/requeued_resume"] == 4  # counters continue
+        members = hub.members()[1]
+        sock.send_multipart(encode(m.WeightVersion(actor_id="a0", served_version=4, group_epoch=1, load_s=0.0)))
+        grants = []
+        for _ in range(8):
+            assert sock.poll(5000), f"only {len(grants)} grants"
+            grants.append(decode(sock.recv_multipart()))
+        granted = [(g.epoch, g.prompt_id) for g in grants]
+        assert all(g.policy_version == 4 for g in grants)
+        assert granted[:4] == sorted(keys[4:]) and not set(granted) & set(keys[:4])
+        assert hub.members()[1] == members  # nothing changed membership so far
+        assert isinstance(ask(m.Register(actor_id="a0", host="h", pid=1, served_version=-1)), m.RegisterAck)
+        rejoined = hub.members()[1]
+        assert rejoined > members  # a rejoin: its worker left the weight group
+        assert isinstance(ask(m.Register(actor_id="a0", host="h", pid=1, served_version=-1)), m.RegisterAck)
+        assert hub.members()[1] == rejoined  # a retry of the same rejoin
+        assert hub.behind(4) == ["a0"]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        hub.stop()
+
+
+def _row(step: int) -> str:
+    return json.dumps({"step": step, "policy_version": 2 * step, "reward_mean": 0.5})
+
+
+def test_metrics_cut_back_to_the_checkpoint(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(_row(s) + "\n" for s in range(1, 7)) + '{"step": 7, "rew')  # torn last line
+    state = LearnerState(updates=4, version=8, steps_per_update=2, world=1, zero_stage=2, hub={}, row={"step": 4})
+    kept = restore_metrics(tmp_path, state)
+    assert [r["step"] for r in kept] == [1, 2, 3, 4]
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    # The crash came after checkpoint 5 was renamed, before row 5 was written: the checkpoint's copy fills it in.
+    (tmp_path / "metrics.jsonl").write_text("".join(_row(s) + "\n" for s in range(1, 5)))
+    state5 = LearnerState(updates=5, version=10, steps_per_update=2, world=1, zero_stage=2, hub={}, row=json.loads(_row(5)))
+    assert [r["step"] for r in restore_metrics(tmp_path, state5)] == [1, 2, 3, 4, 5]
+
+
+def test_interrupted_checkpoint_write_is_never_resumed_from(tmp_path):
+    """A learner killed (os._exit) while writing step-3's training state, after step-2 was complete: resume
+    takes step-2, and the next start removes the half-written folder."""
+    script = f"""
+        import os
+        from pathlib import Path
+        from learner.checkpoint import CheckpointManager
+        from learner.resume import LearnerState, write_learner_state
+        from protocol.config import load_config
+
+        def write(step, crash):
+            def writer(path):
+                (path / "state" / "policy").mkdir(parents=True)
+                (path / "state" / "policy" / "shard.pt").write_bytes(b"x" * 1000)
+                if crash:
+                    os._exit(9)  # killed before learner.json and the rename
+                write_learner_state(path / "state", LearnerState(updates=step, version=step, steps_per_update=1, world=1,
+                                                                 zero_stage=2, hub={{}}))
+            return writer
+
+        cfg = load_config(None, ["checkpoint.every_steps=1"]).checkpoint
+        CheckpointManager(cfg, {str(tmp_path)!r}, write(2, False)).maybe_save(2, {{}})
+        CheckpointManager(cfg, {str(tmp_path)!r}, write(3, True)).maybe_save(3, {{}})
+    """
+    proc = subprocess.run([sys.executable, "-c", __import__("textwrap").dedent(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [".tmp-step-3-part", "step-2"]
+    (ckpts / "step-4").mkdir()  # weights only (no training state): not a resume point either
+    assert latest_checkpoint(tmp_path) == ckpts / "step-2"
+    from learner.checkpoint import CheckpointManager
+    from protocol.config import load_config
+
+    CheckpointManager(load_config().checkpoint, tmp_path, lambda p: None)
+    assert not (ckpts / ".tmp-step-3-part").exists()
+
+
+def _run_driver(model_dir: Path, run_dir: Path, mode: str, nproc: int, *overrides: str) -> dict:
+    out = run_dir / f"{mode}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+           str(ROOT / "tests" / "drivers" / "resume_steps.py"), str(model_dir), str(run_dir), str(out), mode,
+           "train.total_steps=4", "checkpoint.every_steps=2", "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
+           "train.micro_batch_samples=4", "train.mini_batches=2", "staleness.max_staleness=1", "train.lr=1e-3",
+           "train.warmup_steps=20", f"cluster.learner_gpus_per_node={nproc}", *overrides]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_two_ranks_zero3_resume_trains_exactly_like_no_interruption(tiny_model_dir, tmp_path):
+    """2 learner ranks, ZeRO-3 (weights and Adam moments sharded), 2 optimizer steps per update, the LR still warming
+    up: a run saves its training state after update 2 (both ranks, told by the share header); a new process group
+    resumes from it. Updates 3 and 4 must come out as in the uninterrupted run: same losses, same weights, same
+    optimizer step count and LR. Without the optimizer state or the scheduler they would not."""
+    whole = _run_driver(tiny_model_dir, tmp_path, "run", 2, "train.zero_stage=3")
+    state = tmp_path / "checkpoints" / "step-2" / "state"
+    assert sorted(p.name for p in (state / "policy").iterdir() if p.suffix == ".pt") == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # one shard per rank
+    resumed = _run_driver(tiny_model_dir, tmp_path, "resume", 2, "train.zero_stage=3")
+    assert list(resumed["losses"]) == ["3", "4"]
+    assert [resumed["losses"][k] for k in ("3", "4")] == pytest.approx([whole["losses"][k] for k in ("3", "4")], rel=1e-6, abs=1e-9)
+    assert resumed["version"] == whole["version"] == 8 and resumed["optimizer_steps"] == whole["optimizer_steps"] == 8
+    assert resumed["lr"] == pytest.approx(whole["lr"]) and whole["lr"] < 1e-3  # mid-warmup: the scheduler was restored
+    assert resumed["weight_abs"] == pytest.approx(whole["weight_abs"], rel=1e-9)
+    assert resumed["weight_sum"] == pytest.approx(whole["weight_sum"], rel=1e-9)
+    assert whole["losses"]["3"] != pytest.approx(whole["losses"]["1"], rel=1e-3), "the weights must change for this to prove anything"
+
+
+# ---- the whole path: a real learner killed and resumed, a real vLLM actor that keeps running ------------------------
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return out
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait(what: str, cond, procs: list[subprocess.Popen], timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        for p in procs:
+            assert p.poll() is None, f"{p.args[3]} exited {p.returncode} while waiting for {what}"
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _kill_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.engine
+def test_learner_killed_and_resumed_while_the_actor_keeps_running(tmp_path, tiny_model_dir):
+    steps, prompts, n = 8, 8, 4
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    hub = f"tcp://127.0.0.1:{free_port()}"
+    overrides = [f"run.dir={run_dir}", f"model.path={tiny_model_dir}", f"hub.bind={hub}", f"train.total_steps={steps}",
+                 f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}", "train.micro_batch_samples=16",
+                 "staleness.max_staleness=1", "checkpoint.every_steps=2", "checkpoint.keep=2", "hub.heartbeat_s=0.5"]
+    config = run_dir / "config.toml"
+    from protocol.config import dump_toml, load_config
+
+    config.write_text(dump_toml(load_config(ROOT / "configs" / "demo.toml", overrides)))
+    cli = [sys.executable, "-m", "deploy.cli"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING"}
+    logs = run_dir / "logs"
+
+    def start(args: list[str], name: str) -> subprocess.Popen:
+        out = (tmp_path / f"{name}.out").open("w")
+        return subprocess.Popen([*cli, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    learner = start(["learner", "--config", str(config)], "learner-1")
+    actor = start(["actor", "--learner", hub, "--config", str(config), "--id", "actor0"], "actor")
+    procs = [learner, actor]
+    try:
+        # Kill the learner after step 3: checkpoint step-2 is the newest, step 3 (and maybe 4) must be trained again.
+        _wait("3 learner steps", lambda: len(_rows(run_dir)) >= 3, procs, 300)
+        _kill_group(learner, signal.SIGKILL)
+        learner.wait(timeout=30)
+        killed_rows = _rows(run_dir)
+        checkpoint = latest_checkpoint(run_dir)
+        assert checkpoint is not None
+        resumed_from = int(checkpoint.name[5:])
+        assert resumed_from < len(killed_rows) or resumed_from == 2, (resumed_from, len(killed_rows))
+        # The actor notices, keeps its engine and waits (with backoff) instead of crashing or hanging.
+        _wait("the actor to wait for the learner", lambda: any(e["event"] == "actor.waiting_for_learner" and e["timestamp"]
+                                                                for e in _events(logs / "actor-actor0.jsonl")), [actor], 60)
+        time.sleep(2.0)
+        assert actor.poll() is None
+        learner = start(["learner", "--resume", str(run_dir), f"hub.bind={hub}"], "learner-2")
+        procs = [learner, actor]
+        assert learner.wait(timeout=400) == 0, (tmp_path / "learner-2.out").read_text()[-4000:]
+        assert actor.wait(timeout=60) == 0, (tmp_path / "actor.out").read_text()[-4000:]  # the learner's Shutdown
+    finally:
+        for p in procs:
+            _kill_group(p, signal.SIGKILL)
+
+    rows = _rows(run_dir)
+    # One row per update, versions count optimizer steps: no gap and no repeat across the restart.
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    assert rows[resumed_from - 1] == killed_rows[resumed_from - 1]  # rows up to the checkpoint are kept as they were
+    assert all(r["samples"] == prompts * n for r in rows)
+    # After the resume the actor generated with the resumed weights: its logprobs match the learner's.
+    after = [r["logprob_mismatch"] for r in rows[resumed_from:] if r["logprob_mismatch"] is not None]
+    assert after and max(after) < 1e-4, after
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    # The ledger: every update trained exactly `prompts` prompts, none twice, none lost.
+    final = json.loads((run_dir / "checkpoints" / f"step-{steps}" / "state" / "learner.json").read_text())
+    ledger = Ledger.from_state(final["hub"]["ledger"], max_epochs=1000)
+    ledger.check()
+    trained = {k for k, e in ledger.entries.items() if e.state is State.TRAINED}
+    assert len(trained) == steps * prompts and rows[-1]["ledger/trained"] == steps * prompts
+    at_checkpoint = json.loads((run_dir / "checkpoints" / f"step-{resumed_from}" / "state" / "learner.json").read_text()) \
+        if (run_dir / "checkpoints" / f"step-{resumed_from}").exists() else None
+    if at_checkpoint is not None:
+        before = Ledger.from_state(at_checkpoint["hub"]["ledger"], max_epochs=1000)
+        assert {k for k, e in before.entries.items() if e.state is State.TRAINED} <= trained
+    assert final["version"] == steps and final["updates"] == steps
+    # The actor's side: it saw the learner go, waited, registered again and served the resumed weights.
+    events = _events(logs / "actor-actor0.jsonl")
+    names = [e["event"] for e in events]
+    assert "actor.learner_lost" in names and "actor.waiting_for_learner" in names
+    lost_at = names.index("actor.learner_lost")
+    assert "actor.registered" in names[lost_at:]
+    assert not any(e["event"] == "actor.task_failed" for e in events)
+    learner_events = _events(logs / "learner.jsonl")
+    resumed = [e for e in learner_events if e["event"] == "learner.resumed"]
+    assert len(resumed) == 1 and resumed[0]["updates"] == resumed_from and resumed[0]["version"] == resumed_from
+    assert any(e["event"] == "weights.resync" and e["version"] == resumed_from for e in learner_events)

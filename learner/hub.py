@@ -89,12 +89,14 @@ class Hub:
         if self._start_error is not None:
             raise self._start_error
 
-    def stop(self, reason: str = "run finished") -> None:
-        """Tell every actor to shut down, then stop the hub thread."""
+    def stop(self, reason: str = "run finished", tell_actors: bool = True) -> None:
+        """Tell every actor to shut down (unless `tell_actors` is False: they wait for a resumed learner), then stop
+        the hub thread."""
         if self._loop is None or not self._thread.is_alive():
             return
         try:
-            asyncio.run_coroutine_threadsafe(self._shutdown_actors(reason), self._loop).result(timeout=10)
+            if tell_actors:
+                asyncio.run_coroutine_threadsafe(self._shutdown_actors(reason), self._loop).result(timeout=10)
         except TimeoutError:
             self.log.warning("hub.shutdown_timeout")
         self.stopping = True

@@ -101,6 +101,10 @@ def run_learner(cfg: Config, resume: bool = False) -> int:
 
 def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
     """Ranks 1..N-1: train the share rank 0 hands out, join the weight snapshot and the checkpoints, until told to stop."""
+    # torchrun hands a SIGTERM to every rank. A follower dying under rank 0's collectives would cost the final
+    # checkpoint; it stops when rank 0 says so (its stop share), after joining that checkpoint. torchrun
+    # SIGKILLs the ranks 30 s after the SIGTERM in any case.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     buckets = wg.plan_buckets(trainer.full_shapes(), wg.DTYPES[cfg.model.dtype].itemsize, cfg.weights.bucket_mb << 20)
     trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)  # rank 0 primes its weight sender at start
     updates = 0
@@ -230,7 +234,8 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
         if topo.world > 1 and not stop_sent:
             scatter_shares(topo, [Share(samples=[], mini_batch_tokens=[], stop=True)] * topo.dp_size)
         sender.wait()
-        hub.stop("run finished" if updates >= total_updates else "learner stopping")
+        # Stopped before the end (SIGTERM, an error): the actors stay up and wait for `--resume`.
+        hub.stop("run finished", tell_actors=updates >= total_updates)
         metrics.close()
         plot = metrics.plot()
         hub.ledger.check()

@@ -274,20 +274,30 @@ def _kill_group(p: subprocess.Popen, sig: int) -> None:
 
 
 @pytest.mark.engine
-def test_learner_killed_and_resumed_while_the_actor_keeps_running(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("ranks, sig", [(1, signal.SIGKILL), (2, signal.SIGTERM)], ids=["1rank-sigkill", "2ranks-zero3-sigterm"])
+def test_learner_stopped_and_resumed_while_the_actor_keeps_running(tmp_path, tiny_model_dir, ranks, sig):
+    """SIGKILL (a crash) on one rank: the updates after the newest checkpoint are trained again. SIGTERM on 2 ranks
+    (ZeRO-3, 2 optimizer steps per update): the learner group stops after a final checkpoint that every rank joins.
+    Either way the actor keeps running, waits, and continues with the resumed weights."""
     steps, prompts, n = 8, 8, 4
+    s = 1 if ranks == 1 else 2  # optimizer steps per update
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     hub = f"tcp://127.0.0.1:{free_port()}"
     overrides = [f"run.dir={run_dir}", f"model.path={tiny_model_dir}", f"hub.bind={hub}", f"train.total_steps={steps}",
-                 f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}", "train.micro_batch_samples=16",
-                 "staleness.max_staleness=1", "checkpoint.every_steps=2", "checkpoint.keep=2", "hub.heartbeat_s=0.5"]
+                 f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}", "checkpoint.keep=2", "hub.heartbeat_s=0.5",
+                 f"staleness.max_staleness={s}"]
+    if ranks == 1:
+        overrides += ["train.micro_batch_samples=16", "checkpoint.every_steps=2"]
+    else:  # checkpoints only at the end: the one resumed from is the one the SIGTERM made
+        overrides += ["cluster.learner_gpus_per_node=2", "train.zero_stage=3", f"train.mini_batches={s}", "train.micro_batch_samples=4",
+                      "checkpoint.every_steps=0"]
     config = run_dir / "config.toml"
     from protocol.config import dump_toml, load_config
 
     config.write_text(dump_toml(load_config(ROOT / "configs" / "demo.toml", overrides)))
     cli = [sys.executable, "-m", "deploy.cli"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
     logs = run_dir / "logs"
 
     def start(args: list[str], name: str) -> subprocess.Popen:
@@ -298,20 +308,22 @@ def test_learner_killed_and_resumed_while_the_actor_keeps_running(tmp_path, tiny
     actor = start(["actor", "--learner", hub, "--config", str(config), "--id", "actor0"], "actor")
     procs = [learner, actor]
     try:
-        # Kill the learner after step 3: checkpoint step-2 is the newest, step 3 (and maybe 4) must be trained again.
+        # Stop the learner after step 3: with SIGKILL checkpoint step-2 is the newest and step 3 is trained again.
         _wait("3 learner steps", lambda: len(_rows(run_dir)) >= 3, procs, 300)
-        _kill_group(learner, signal.SIGKILL)
-        learner.wait(timeout=30)
-        killed_rows = _rows(run_dir)
+        _kill_group(learner, sig)
+        learner.wait(timeout=60)
+        _kill_group(learner, signal.SIGKILL)  # what torchrun left, if anything
+        stopped_rows = _rows(run_dir)
         checkpoint = latest_checkpoint(run_dir)
         assert checkpoint is not None
         resumed_from = int(checkpoint.name[5:])
-        assert resumed_from < len(killed_rows) or resumed_from == 2, (resumed_from, len(killed_rows))
+        if sig == signal.SIGTERM:  # a graceful stop saves what it trained, every rank its shard
+            assert resumed_from == len(stopped_rows) >= 3
+            assert sorted(p.name for p in (checkpoint / "state" / "policy").glob("zero_pp_rank_*_optim_states.pt")) == [
+                "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
         # The actor notices, keeps its engine and waits (with backoff) instead of crashing or hanging.
-        _wait("the actor to wait for the learner", lambda: any(e["event"] == "actor.waiting_for_learner" and e["timestamp"]
+        _wait("the actor to wait for the learner", lambda: any(e["event"] == "actor.waiting_for_learner"
                                                                 for e in _events(logs / "actor-actor0.jsonl")), [actor], 60)
-        time.sleep(2.0)
-        assert actor.poll() is None
         learner = start(["learner", "--resume", str(run_dir), f"hub.bind={hub}"], "learner-2")
         procs = [learner, actor]
         assert learner.wait(timeout=400) == 0, (tmp_path / "learner-2.out").read_text()[-4000:]
@@ -323,33 +335,33 @@ def test_learner_killed_and_resumed_while_the_actor_keeps_running(tmp_path, tiny
     rows = _rows(run_dir)
     # One row per update, versions count optimizer steps: no gap and no repeat across the restart.
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
-    assert rows[resumed_from - 1] == killed_rows[resumed_from - 1]  # rows up to the checkpoint are kept as they were
+    assert [r["policy_version"] for r in rows] == [s * u for u in range(1, steps + 1)]
+    assert rows[:resumed_from] == stopped_rows[:resumed_from]  # rows up to the checkpoint are kept as they were
     assert all(r["samples"] == prompts * n for r in rows)
+    assert all(r["staleness_max"] <= s for r in rows)
     # After the resume the actor generated with the resumed weights: its logprobs match the learner's.
     after = [r["logprob_mismatch"] for r in rows[resumed_from:] if r["logprob_mismatch"] is not None]
     assert after and max(after) < 1e-4, after
-    assert all(r["staleness_max"] <= 1 for r in rows)
-    # The ledger: every update trained exactly `prompts` prompts, none twice, none lost.
+    # The ledger: every update trained exactly `prompts` prompts, none twice, none lost; those trained before
+    # the checkpoint stay trained.
     final = json.loads((run_dir / "checkpoints" / f"step-{steps}" / "state" / "learner.json").read_text())
+    assert final["version"] == s * steps and final["updates"] == steps
     ledger = Ledger.from_state(final["hub"]["ledger"], max_epochs=1000)
     ledger.check()
     trained = {k for k, e in ledger.entries.items() if e.state is State.TRAINED}
     assert len(trained) == steps * prompts and rows[-1]["ledger/trained"] == steps * prompts
-    at_checkpoint = json.loads((run_dir / "checkpoints" / f"step-{resumed_from}" / "state" / "learner.json").read_text()) \
-        if (run_dir / "checkpoints" / f"step-{resumed_from}").exists() else None
-    if at_checkpoint is not None:
-        before = Ledger.from_state(at_checkpoint["hub"]["ledger"], max_epochs=1000)
-        assert {k for k, e in before.entries.items() if e.state is State.TRAINED} <= trained
-    assert final["version"] == steps and final["updates"] == steps
-    # The actor's side: it saw the learner go, waited, registered again and served the resumed weights.
+    assert rows[resumed_from - 1]["ledger/trained"] == resumed_from * prompts
+    # The actor's side: it saw the learner go, waited, registered again, and nothing failed.
     events = _events(logs / "actor-actor0.jsonl")
     names = [e["event"] for e in events]
-    assert "actor.learner_lost" in names and "actor.waiting_for_learner" in names
     lost_at = names.index("actor.learner_lost")
-    assert "actor.registered" in names[lost_at:]
+    assert "actor.waiting_for_learner" in names[lost_at:] and "actor.registered" in names[lost_at:]
     assert not any(e["event"] == "actor.task_failed" for e in events)
     learner_events = _events(logs / "learner.jsonl")
     resumed = [e for e in learner_events if e["event"] == "learner.resumed"]
-    assert len(resumed) == 1 and resumed[0]["updates"] == resumed_from and resumed[0]["version"] == resumed_from
-    assert any(e["event"] == "weights.resync" and e["version"] == resumed_from for e in learner_events)
+    assert len(resumed) == 1 and resumed[0]["updates"] == resumed_from and resumed[0]["version"] == s * resumed_from
+    # The first weights the returning actor got were the resumed ones, sent while the learner waited.
+    assert any(e["event"] == "weights.resync" and e["version"] == s * resumed_from for e in learner_events)
+    if ranks == 2:
+        rank1 = _events(logs / "learner-rank1.jsonl")
+        assert [e["checkpoint"] for e in rank1 if e["event"] == "learner.resumed_engines"] == [str(checkpoint)]

@@ -24,11 +24,14 @@ class DirectHub:
     """Hands WeightSync messages straight to the test instead of over ZeroMQ (the hub is tested elsewhere)."""
 
     def __init__(self, members):
-        self.members = members
+        self.names = members
         self.sent = []
 
     def live_actors(self):
-        return self.members
+        return self.names
+
+    def members(self):
+        return self.names, 0  # and the membership count, which never changes here
 
     def send_weight_sync(self, members, make):
         self.sent.extend(make(a, rank) for rank, a in enumerate(members, start=1))
@@ -112,7 +115,7 @@ def test_logprobs_match_after_sync(setup):
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.9)
-    hub.members = ["engine-renamed"]
+    hub.names = ["engine-renamed"]
     msg, _ = _sync(cfg, engine, sender, hub, 2, loop, model)
     assert msg.group_epoch == 2
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4

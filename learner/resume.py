@@ -21,8 +21,9 @@ the restored weights to every actor that registers (WeightSender.resync): no act
 it serves them.
 
 Limits: the learner ranks and ZeRO stage must be those of the checkpoint (DeepSpeed shards the
-optimizer per rank). With several ranks, a write error inside DeepSpeed's save on one rank can
-leave the others at its closing barrier until the learner group's timeout.
+optimizer per rank). With several ranks a write error inside DeepSpeed's save stops the learner
+group (rank 0 raises instead of skipping that checkpoint): the other ranks would otherwise wait at
+DeepSpeed's closing barrier. The run resumes from the previous checkpoint.
 """
 
 from __future__ import annotations

@@ -148,6 +148,17 @@ def test_restored_hub_admits_only_actors_serving_its_weights():
         hub.stop()
 
 
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / "checkpoints" / "step-3").mkdir(parents=True)  # weights only, no training state
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "learner", "--resume", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"--resume {tmp_path}: no complete checkpoint with training state" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "learner"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and "--config FILE is required (or --resume RUN_DIR)" in proc.stderr
+
+
 def _row(step: int) -> str:
     return json.dumps({"step": step, "policy_version": 2 * step, "reward_mean": 0.5})
 
@@ -215,17 +226,24 @@ def _run_driver(model_dir: Path, run_dir: Path, mode: str, nproc: int, *override
     return json.loads(out.read_text())
 
 
-def test_two_ranks_zero3_resume_trains_exactly_like_no_interruption(tiny_model_dir, tmp_path):
-    """2 learner ranks, ZeRO-3 (weights and Adam moments sharded), 2 optimizer steps per update, the LR still warming
-    up: a run saves its training state after update 2 (both ranks, told by the share header); a new process group
-    resumes from it. Updates 3 and 4 must come out as in the uninterrupted run: same losses, same weights, same
-    optimizer step count and LR. Without the optimizer state or the scheduler they would not."""
-    whole = _run_driver(tiny_model_dir, tmp_path, "run", 2, "train.zero_stage=3")
+@pytest.mark.parametrize("ranks, algo", [(2, ("train.zero_stage=3",)),
+                                         (1, ("train.zero_stage=2", "algo.advantage=gae", "algo.critic_lr=1e-3"))],
+                         ids=["2ranks-zero3", "1rank-zero2-critic"])
+def test_resume_trains_exactly_like_no_interruption(tiny_model_dir, tmp_path, ranks, algo):
+    """2 learner ranks with ZeRO-3 (weights and Adam moments sharded), or PPO with a critic (its own engine), 2
+    optimizer steps per update, the LR still warming up: a run saves its training state after update 2 (every rank,
+    told by the share header); a new process group resumes from it. Updates 3 and 4 must come out as in the
+    uninterrupted run: same losses, same weights, same optimizer step count and LR. Without the optimizer state or
+    the scheduler they would not."""
+    whole = _run_driver(tiny_model_dir, tmp_path, "run", ranks, *algo)
     state = tmp_path / "checkpoints" / "step-2" / "state"
-    assert sorted(p.name for p in (state / "policy").iterdir() if p.suffix == ".pt") == [
-        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-        "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # one shard per rank
-    resumed = _run_driver(tiny_model_dir, tmp_path, "resume", 2, "train.zero_stage=3")
+    if ranks == 2:
+        assert sorted(p.name for p in (state / "policy").iterdir() if p.suffix == ".pt") == [
+            "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # one shard per rank
+    else:
+        assert (state / "critic" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
+    resumed = _run_driver(tiny_model_dir, tmp_path, "resume", ranks, *algo)
     assert list(resumed["losses"]) == ["3", "4"]
     assert [resumed["losses"][k] for k in ("3", "4")] == pytest.approx([whole["losses"][k] for k in ("3", "4")], rel=1e-6, abs=1e-9)
     assert resumed["version"] == whole["version"] == 8 and resumed["optimizer_steps"] == whole["optimizer_steps"] == 8

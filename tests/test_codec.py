@@ -47,11 +47,12 @@ def test_round_trip(msg):
 def test_arrays_travel_as_raw_frames_not_lists():
     g = rollout_group(n=4)
     frames = encode(g)
-    version, name, values, dtypes, dims = msgpack.unpackb(frames[0])
+    version, name, dtypes, values = msgpack.unpackb(frames[0])
     assert (version, name) == (m.PROTOCOL_VERSION, "RolloutGroup")
-    assert dtypes == ["int32", "int32", "int32", "float32", "float32"]
-    assert dims == [4, 4, int(g.lengths.sum()), int(g.lengths.sum()), 4]  # shapes only: no array data in the header
-    assert not any(isinstance(v, list) and len(v) == len(g.completion_tokens) for v in values)
+    assert dtypes == "int32 int32 int32 float32 float32"
+    total = int(g.lengths.sum())
+    assert values[-5:] == [4, 4, total, total, 4]  # the arrays' dims only: no array data in the header
+    assert not any(isinstance(v, list) and len(v) == total for v in values)
     assert len(frames) == 1 + len(m.RolloutGroup.ARRAYS)
     assert [f.nbytes for f in frames[1:]] == [g.prompt_tokens.nbytes, 16, g.completion_tokens.nbytes, g.behaviour_logprobs.nbytes, 16]
     out = decode([bytes(f) for f in frames])
@@ -83,35 +84,37 @@ def _with_header(frames, header):
     return [msgpack.packb(header), *[bytes(f) for f in frames[1:]]]
 
 
-# header = [version, type, [field values], [array dtypes], [array dims]]; RolloutGroup's fields:
-# actor_id, prompt_id, epoch, finish_reasons, version_min, version_max, gen_s, reward_s
+# header = [version, type, dtypes, values]; RolloutGroup's values: actor_id, prompt_id, epoch, finish_reasons,
+# version_min, version_max, gen_s, reward_s (0-7), then the dims of prompt_tokens, lengths, completion_tokens,
+# behaviour_logprobs, rewards (8-12)
 @pytest.mark.parametrize(
     "mutate, needle",
     [
         (lambda h: h.__setitem__(0, 99), "protocol version 99, this side speaks 2"),
+        (lambda h: h.__setitem__(0, "2"), "protocol version '2', this side speaks 2"),
         (lambda h: h.__setitem__(1, "Nope"), "unknown message type 'Nope'"),
         (lambda h: h.__setitem__(1, ["RolloutGroup"]), "unknown message type ['RolloutGroup']"),
-        (lambda h: h.append(0), "header: expected [version, type, fields, dtypes, dims], got list"),
-        (lambda h: h[2].pop(), "RolloutGroup.reward_s: missing field"),
-        (lambda h: h.__setitem__(2, h[2][:1]), "RolloutGroup.prompt_id: missing field"),
-        (lambda h: h[2].append(1), "RolloutGroup: 1 unknown field(s) after the last field (reward_s)"),
-        (lambda h: h.__setitem__(2, {"actor_id": "a0"}), "RolloutGroup: header field values must be an array, got dict"),
-        (lambda h: h[2].__setitem__(1, "seven"), "RolloutGroup.prompt_id: expected int, got str"),
-        (lambda h: h[2].__setitem__(1, True), "RolloutGroup.prompt_id: expected int, got bool"),
-        (lambda h: h[2].__setitem__(0, b"a0"), "RolloutGroup.actor_id: expected str, got bytes"),
-        (lambda h: h[2].__setitem__(6, "1.0"), "RolloutGroup.gen_s: expected float, got str"),
-        (lambda h: h[2].__setitem__(3, "stop"), "RolloutGroup.finish_reasons: expected list[str], got str"),
-        (lambda h: h[2].__setitem__(3, ["stop", 1, "stop"]), "RolloutGroup.finish_reasons: expected list[str], got a list"),
-        (lambda h: h[3].__setitem__(0, "float64"), "RolloutGroup.prompt_tokens: dtype 'float64', expected int32"),
-        (lambda h: h[3].__setitem__(4, "float64"), "RolloutGroup.rewards: dtype 'float64', expected float32"),
-        (lambda h: h[3].pop(), "RolloutGroup: array dtypes"),
-        (lambda h: h[4].__setitem__(0, 99), "RolloutGroup.prompt_tokens: shape [99] needs 396 bytes, frame has 16"),
-        (lambda h: h[4].__setitem__(1, -1), "RolloutGroup.lengths: shape [-1], expected 1 non-negative int dims"),
-        (lambda h: h[4].__setitem__(1, 3.0), "RolloutGroup.lengths: shape [3.0], expected 1 non-negative int dims"),  # == 3, wrong type
-        (lambda h: h[4].__setitem__(1, True), "RolloutGroup.lengths: shape [True]"),
-        (lambda h: h[4].pop(), "RolloutGroup.rewards: shape [], expected 1"),
-        (lambda h: h[4].append(1), "RolloutGroup: 1 array dims beyond the 5 the arrays need"),
-        (lambda h: h.__setitem__(4, 5), "RolloutGroup: header array dims must be an array, got int"),
+        (lambda h: h.append(0), "header: expected [version, type, dtypes, values], got list"),
+        (lambda h: h.__setitem__(3, h[3][:7]), "RolloutGroup.reward_s: missing field"),
+        (lambda h: h.__setitem__(3, h[3][:1]), "RolloutGroup.prompt_id: missing field"),
+        (lambda h: h[3].append(1), "RolloutGroup: 1 unknown value(s) after the last field and array dims"),
+        (lambda h: h.__setitem__(3, {"actor_id": "a0"}), "RolloutGroup: header values must be an array, got dict"),
+        (lambda h: h[3].__setitem__(1, "seven"), "RolloutGroup.prompt_id: expected int, got str"),
+        (lambda h: h[3].__setitem__(1, True), "RolloutGroup.prompt_id: expected int, got bool"),
+        (lambda h: h[3].__setitem__(0, b"a0"), "RolloutGroup.actor_id: expected str, got bytes"),
+        (lambda h: h[3].__setitem__(6, "1.0"), "RolloutGroup.gen_s: expected float, got str"),
+        (lambda h: h[3].__setitem__(3, "stop"), "RolloutGroup.finish_reasons: expected list[str], got str"),
+        (lambda h: h[3].__setitem__(3, ["stop", 1, "stop"]), "RolloutGroup.finish_reasons: expected list[str], got a list"),
+        (lambda h: h.__setitem__(2, "float64 int32 int32 float32 float32"), "RolloutGroup.prompt_tokens: dtype 'float64', expected int32"),
+        (lambda h: h.__setitem__(2, "int32 int32 int32 float32 float64"), "RolloutGroup.rewards: dtype 'float64', expected float32"),
+        (lambda h: h.__setitem__(2, "int32 int32 int32 float32"), "RolloutGroup: array dtypes"),
+        (lambda h: h.__setitem__(2, ["int32"] * 3 + ["float32"] * 2), "RolloutGroup: array dtypes"),
+        (lambda h: h[3].__setitem__(8, 99), "RolloutGroup.prompt_tokens: shape [99] needs 396 bytes, frame has 16"),
+        (lambda h: h[3].__setitem__(9, -1), "RolloutGroup.lengths: shape [-1], expected 1 non-negative int dims"),
+        (lambda h: h[3].__setitem__(9, 3.0), "RolloutGroup.lengths: shape [3.0], expected 1 non-negative int dims"),  # == 3, wrong type
+        (lambda h: h[3].__setitem__(9, True), "RolloutGroup.lengths: shape [True]"),
+        (lambda h: h[3].pop(), "RolloutGroup.rewards: shape [], expected 1"),
+        (lambda h: h[3].__setitem__(12, [3]), "RolloutGroup.rewards: shape [[3]]"),
     ],
 )
 def test_bad_headers_are_named(mutate, needle):
@@ -132,7 +135,7 @@ def test_protocol_1_header_names_the_version():
 def test_int_for_float_field_is_accepted_as_float():
     frames = encode(rollout_group())
     header = _header(frames)
-    header[2][6] = 3  # gen_s, as another encoder may send a whole number
+    header[3][6] = 3  # gen_s, as another encoder may send a whole number
     out = decode(_with_header(frames, header))
     assert type(out.gen_s) is float and out.gen_s == 3.0
 
@@ -221,7 +224,7 @@ _ANY = hs.recursive(
 @settings(max_examples=200, deadline=None)
 @given(_ANY)
 def test_fuzz_structured_headers_only_raise_protocol_error(obj):
-    for header in ([m.PROTOCOL_VERSION, "RolloutGroup", obj, obj, obj], {"v": 1, "t": "RolloutGroup", "f": obj, "a": obj}, obj):
+    for header in ([m.PROTOCOL_VERSION, "RolloutGroup", obj, obj], {"v": 1, "t": "RolloutGroup", "f": obj, "a": obj}, obj):
         try:
             decode([msgpack.packb(header, use_bin_type=True)])
         except m.ProtocolError:
@@ -229,12 +232,25 @@ def test_fuzz_structured_headers_only_raise_protocol_error(obj):
 
 
 @settings(max_examples=300, deadline=None)
-@given(hs.integers(0, 4), _ANY)
+@given(hs.integers(0, 3), _ANY)
 def test_fuzz_one_header_part_with_real_frames_only_raises_protocol_error(part, obj):
     """Each header part replaced by arbitrary MessagePack while the array frames stay valid: reaches the array checks."""
     frames = encode(rollout_group())
     header = _header(frames)
     header[part] = obj
+    try:
+        decode(_with_header(frames, header))
+    except m.ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.integers(0, 12), _ANY)
+def test_fuzz_one_value_with_real_frames_only_raises_protocol_error(index, obj):
+    """One field value or array dim replaced by arbitrary MessagePack: reaches the dims and group checks."""
+    frames = encode(rollout_group())
+    header = _header(frames)
+    header[3][index] = obj
     try:
         decode(_with_header(frames, header))
     except m.ProtocolError:

@@ -62,6 +62,7 @@ def run_learner(cfg: Config) -> int:
     hub = Hub(cfg, prompts)
     hub.start()
     sender = WeightSender(cfg.weights, trainer.named_parameters(), cfg.model.dtype)
+    sender.guard(trainer.engine.optimizer)  # broadcast from the parameters in place; the next step waits for it
     metrics = MetricsWriter(run_dir)
     log.info("learner.ready", prompts=len(prompts), params=sum(p.numel() for p in model.parameters()), hub=cfg.hub.bind, weight_port=sender.port)
 

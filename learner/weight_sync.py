@@ -7,17 +7,25 @@ A failed broadcast (a member died: gloo times out) leaves no group behind; the
 next sync forms a new epoch without the dead member.
 
 Only the sending thread touches the group; `sync` and `wait` hand work to it.
+
+Where the bytes come from (see learner/weight_buckets.py): unguarded, `sync` copies every
+bucket on the learner thread (one memcpy each when the parameters are DeepSpeed's flat
+buffer) and the broadcast runs from the copies. After `guard(optimizer)`, the optimizer's
+step first waits for the broadcast in flight, so the broadcast reads the parameters in
+place: no copy, and the learner is not held at all by `sync`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from learner.hub import Hub
+from learner.weight_buckets import Buckets
 from protocol import messages as m
 from protocol import weights as wg
 from protocol.config import WeightsConfig
@@ -33,8 +41,7 @@ class WeightSender:
         self.dtype = dtype
         self.torch_dtype = wg.DTYPES[dtype]
         self.bucket_bytes = cfg.bucket_mb << 20
-        itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
-        self.buckets = wg.plan_buckets(self.shapes, itemsize, self.bucket_bytes)
+        self.buckets = Buckets([p for _, p in named_params], self.torch_dtype, self.bucket_bytes)
         self.store = wg.open_store(cfg.host, cfg.port, is_master=True, timeout_s=cfg.timeout_s)
         self.port = self.store.port
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -44,8 +51,31 @@ class WeightSender:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._last_s = 0.0
-        self._flats: list[torch.Tensor] | None = None
+        self._outcome: dict[str, float] = {}  # of the broadcast last joined, until `wait` reports it
+        self._guarded = False
+        self._guard_wait_s = 0.0
         self.log = get_logger()
+
+    def guard(self, optimizer: Any) -> None:
+        """Broadcast from the parameters in place: `optimizer`'s step first waits for the broadcast in flight.
+
+        Pass the optimizer that writes the parameters; DeepSpeed's wrappers are unwrapped to the
+        torch optimizer inside, whose step runs before ZeRO copies the new values into the
+        parameters. Anything else that writes the parameters (loading a checkpoint) must call
+        `wait()` first.
+        """
+        inner = optimizer
+        while not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(inner, "optimizer", None)  # DeepSpeedZeroOptimizer and friends keep the torch one here
+            if inner is None:
+                raise TypeError(f"WeightSender.guard: no torch.optim.Optimizer inside {type(optimizer).__name__}")
+        inner.register_step_pre_hook(lambda *_: self._join_timed())
+        self._guarded = True
+
+    def _join_timed(self) -> None:
+        t0 = time.perf_counter()
+        self._join()
+        self._guard_wait_s += time.perf_counter() - t0
 
     def sync(self, version: int, hub: Hub) -> dict[str, float]:
         """Start sending `version` to every live actor; returns how long the learner was held up.
@@ -73,8 +103,8 @@ class WeightSender:
                 rank=rank, world_size=world, timeout_s=self.cfg.timeout_s, names=self.names,
                 shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
 
-        # Reused across syncs; safe because wait() above finished the broadcast that read them.
-        self._flats = flats = wg.flatten_buckets([p for _, p in self.params], self.buckets, self.torch_dtype, self._flats)
+        # The copies are reused across syncs; safe because wait() above finished the broadcast that read them.
+        flats = None if self._guarded else self.buckets.snapshot()
         hub.send_weight_sync(members, make)
         self._thread = threading.Thread(target=self._broadcast, args=(flats, epoch, world), name="fleetrl-weights", daemon=True)
         self._thread.start()
@@ -82,24 +112,31 @@ class WeightSender:
         return out
 
     def wait(self) -> dict[str, float]:
-        """Finish the broadcast in flight; report its duration, or its failure."""
+        """Finish the broadcast in flight; report its duration, or its failure, and any wait the guard imposed."""
+        self._join()
+        out, self._outcome = self._outcome, {}
+        if self._guarded:
+            out["time/weight_guard_wait"], self._guard_wait_s = self._guard_wait_s, 0.0
+        return out
+
+    def _join(self) -> None:
         if self._thread is None:
-            return {}
+            return
         self._thread.join()
         self._thread = None
         if self._error is not None:
             self.log.error("weights.broadcast_failed", epoch=self.epoch, error=self._error)
             self._error, self.group, self.members = None, None, []  # the next sync forms a new epoch
-            return {"weights/failed": 1.0}
-        return {"time/broadcast": self._last_s}
+            self._outcome = {"weights/failed": 1.0}
+        else:
+            self._outcome = {"time/broadcast": self._last_s}
 
-    def _broadcast(self, flats: list[torch.Tensor], epoch: int, world: int) -> None:
+    def _broadcast(self, flats: list[torch.Tensor] | None, epoch: int, world: int) -> None:
         t0 = time.perf_counter()
         try:
             if self.group is None:
                 self.group = wg.open_group(self.store, self.cfg.host, epoch, 0, world, self.cfg.timeout_s, self.backend)
-            for flat in flats:
-                wg.broadcast(self.group, flat)
+            self.buckets.send(self.group, flats)  # guarded (flats None): the parameters wait for this thread
         except RuntimeError as e:  # gloo/NCCL raise RuntimeError (DistBackendError) on timeout or a dead peer
             self._error = str(e)
         self._last_s = time.perf_counter() - t0

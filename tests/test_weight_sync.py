@@ -112,3 +112,21 @@ def test_logprobs_match_after_sync(setup):
     msg, _ = _sync(cfg, engine, sender, hub, 2, loop)
     assert msg.group_epoch == 2
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4
+
+    # The learner's path: parameters as views of one flat buffer (DeepSpeed ZeRO-1/2's layout) and a
+    # guarded sender, which broadcasts from that memory in place instead of copying it.
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.data = flat.narrow(0, offset, p.numel()).view(p.shape)
+        offset += p.numel()
+    assert all(sender.buckets.live(i) is not None for i in range(len(sender.buckets)))
+    opt = torch.optim.SGD(params, lr=0.05)
+    sender.guard(opt)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) > 0.01, "the step must be visible before the sync"
+    _sync(cfg, engine, sender, hub, 3, loop)
+    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4

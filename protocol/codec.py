@@ -13,7 +13,7 @@ Positional and flat because decode runs once per rollout group on the hub's one
 thread: with a map of named fields (protocol 1), unpacking and per-field lookups cost
 more than the checks. Here the common case is checked in a few C-level comparisons:
 the types of all values and dims at once, all dtypes at once, all element counts at
-once; only a failure walks the fields one by one to name what is wrong. About 8 us
+once; only a failure walks the fields one by one to name what is wrong. About 9 us
 per 8x64-token group instead of 39 (bench/channel.py has the end-to-end figures).
 
 No pickle anywhere. `decode` trusts nothing: every way input can be wrong raises

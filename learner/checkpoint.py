@@ -36,18 +36,20 @@ Writer = Callable[[Path], None]  # writes one complete checkpoint into an empty 
 WRITE_ERRORS = (OSError, SafetensorError)
 
 
-def hf_writer(model, tokenizer, state_dict: Callable[[], dict[str, torch.Tensor]] | None = None) -> Writer:
+def hf_writer(model, tokenizer, state_dict: Callable[[], dict[str, torch.Tensor] | None] | None = None) -> Writer:
     """model.save_pretrained + tokenizer.save_pretrained: loadable by transformers and vLLM.
 
     `state_dict()` supplies the full weights when `model` does not hold them (ZeRO-3 keeps only
-    a shard per rank; the learner passes its last weight snapshot). None: the model's own.
+    a shard per rank; the learner passes its last weight snapshot). None, or a call returning
+    None: the model's own.
     """
 
     def write(path: Path) -> None:
-        if state_dict is None:
+        weights = state_dict() if state_dict is not None else None
+        if weights is None:
             model.save_pretrained(path, safe_serialization=True)
         else:
-            model.save_pretrained(path, state_dict=state_dict(), safe_serialization=True)
+            model.save_pretrained(path, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(path)
 
     return write

@@ -82,7 +82,8 @@ def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
             break
         trainer.update(share)
         set_context(policy_version=share.version + trainer.layout.steps)
-        trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)
+        if cfg.train.zero_stage == 3:  # rank 0's weight snapshot gathers every bucket: join it
+            trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)
         updates += 1
     log.info("learner.done", rank=topo.rank, updates=updates)
     return 0
@@ -93,10 +94,17 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     hub = Hub(cfg, prompts)
     hub.start()
     names = [n for n, _ in trainer.named_parameters()]
-    sender = WeightSender(cfg.weights, names, trainer.full_shapes(), cfg.model.dtype)
+    sharded = cfg.train.zero_stage == 3
+    # ZeRO <= 2: rank 0 holds every parameter, so the broadcast reads them in place and the next optimizer step
+    # waits for it (guard). ZeRO-3: each sync gathers the buckets on every rank into rank 0's snapshot.
+    sender = WeightSender(cfg.weights, names, trainer.full_shapes(), cfg.model.dtype,
+                          params=None if sharded else [p for _, p in trainer.named_parameters()])
+    if not sharded:
+        sender.guard(trainer.engine.optimizer)
+    snapshot = (lambda out: trainer.snapshot(sender.ranges, sender.torch_dtype, out)) if sharded else None
     metrics = MetricsWriter(run_dir)
     evaluator = Evaluator(cfg, data.eval_sets(), hub)
-    # Checkpoints are written from the weight snapshot rank 0 already holds: full weights even under ZeRO-3.
+    # Checkpoints: from the model on rank 0, or under ZeRO-3 from the weight snapshot rank 0 already holds.
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir, hf_writer(trainer.engine.module, tokenizer, sender.state_dict))
     params = sum(int(np.prod(s)) for s in trainer.full_shapes())
     log.info("learner.ready", prompts=len(prompts), eval_prompts={k: len(v) for k, v in data.eval_sets().items()}, params=params,
@@ -129,7 +137,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
             updates += 1
             set_context(policy_version=version)
             hub.finish_update(version, [item.key for item in batch + filtered])
-            sync = sender.sync(version, hub, lambda out: trainer.snapshot(sender.buckets, sender.torch_dtype, out))
+            sync = sender.sync(version, hub, snapshot)
             step_s = time.perf_counter() - t0
             last = updates >= total_updates
             # Blocks until the actors answer (time/eval, not in time/step); no newer weights go out meanwhile,

@@ -7,6 +7,15 @@ A failed broadcast (a member died: gloo times out) leaves no group behind; the
 next sync forms a new epoch without the dead member.
 
 Only the sending thread touches the group; `sync` and `wait` hand work to it.
+
+Where the bytes come from (see learner/weight_buckets.py):
+- ZeRO-3 (parameters sharded over the learner ranks): `sync` is given a `snapshot` that
+  gathers each bucket on every rank and copies it out on rank 0 (Trainer.snapshot).
+- ZeRO-0/1/2 (rank 0 holds every parameter), unguarded: `sync` copies every bucket on the
+  learner thread (one memcpy each when the parameters are DeepSpeed's flat buffer) and the
+  broadcast runs from the copies.
+- After `guard(optimizer)`: the optimizer's step first waits for the broadcast in flight,
+  so the broadcast reads the parameters in place: no copy, and `sync` holds nothing up.
 """
 
 from __future__ import annotations
@@ -14,11 +23,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from learner.hub import Hub
+from learner.weight_buckets import Buckets
 from protocol import messages as m
 from protocol import weights as wg
 from protocol.config import WeightsConfig
@@ -28,15 +39,19 @@ Snapshot = Callable[[list[torch.Tensor] | None], list[torch.Tensor] | None]
 
 
 class WeightSender:
-    def __init__(self, cfg: WeightsConfig, names: list[str], shapes: list[list[int]], dtype: str):
+    def __init__(self, cfg: WeightsConfig, names: list[str], shapes: list[list[int]], dtype: str,
+                 params: list[torch.Tensor] | None = None):
+        """`params`: the full parameters when rank 0 holds them (ZeRO <= 2); None under ZeRO-3 (sync gets a snapshot)."""
         self.cfg = cfg
         self.names = names
         self.shapes = shapes  # full (unsharded) shapes
         self.dtype = dtype
         self.torch_dtype = wg.DTYPES[dtype]
         self.bucket_bytes = cfg.bucket_mb << 20
-        itemsize = torch.tensor([], dtype=self.torch_dtype).element_size()
-        self.buckets = wg.plan_buckets(self.shapes, itemsize, self.bucket_bytes)
+        self.ranges = wg.plan_buckets(shapes, self.torch_dtype.itemsize, self.bucket_bytes)
+        self.buckets = None if params is None else Buckets(params, self.torch_dtype, self.bucket_bytes)
+        assert self.buckets is None or self.buckets.ranges == self.ranges
+        self._flats: list[torch.Tensor] | None = None  # the last given snapshot (ZeRO-3)
         self.store = wg.open_store(cfg.host, cfg.port, is_master=True, timeout_s=cfg.timeout_s)
         self.port = self.store.port
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -46,15 +61,43 @@ class WeightSender:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._last_s = 0.0
-        self._flats: list[torch.Tensor] | None = None
+        self._outcome: dict[str, float] = {}  # of the broadcast last joined, until `wait` reports it
+        self._guarded = False
+        self._guard_wait_s = 0.0
         self.log = get_logger()
 
-    def sync(self, version: int, hub: Hub, snapshot: Snapshot) -> dict[str, float]:
+    @classmethod
+    def for_params(cls, cfg: WeightsConfig, named: list[tuple[str, torch.Tensor]], dtype: str) -> WeightSender:
+        """A sender over full parameters held here (a single process, or rank 0 under ZeRO <= 2)."""
+        return cls(cfg, [n for n, _ in named], [list(p.shape) for _, p in named], dtype, params=[p for _, p in named])
+
+    def guard(self, optimizer: Any) -> None:
+        """Broadcast from the parameters in place: `optimizer`'s step first waits for the broadcast in flight.
+
+        Pass the optimizer that writes the parameters; DeepSpeed's wrappers are unwrapped to the
+        torch optimizer inside, whose step runs before ZeRO copies the new values into the
+        parameters. Anything else that writes the parameters (loading a checkpoint) must call
+        `wait()` first.
+        """
+        inner = optimizer
+        while not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(inner, "optimizer", None)  # DeepSpeedZeroOptimizer and friends keep the torch one here
+            if inner is None:
+                raise TypeError(f"WeightSender.guard: no torch.optim.Optimizer inside {type(optimizer).__name__}")
+        inner.register_step_pre_hook(lambda *_: self._join_timed())
+        self._guarded = True
+
+    def _join_timed(self) -> None:
+        t0 = time.perf_counter()
+        self._join()
+        self._guard_wait_s += time.perf_counter() - t0
+
+    def sync(self, version: int, hub: Hub, snapshot: Snapshot | None = None) -> dict[str, float]:
         """Start sending `version` to every live actor; returns how long the learner was held up.
 
-        `snapshot(out)` copies the weights into one flat tensor per bucket of `self.buckets`
-        (reusing `out`). It is collective under ZeRO-3 (every learner rank joins the gathers),
-        so it runs on every sync, with or without members.
+        `snapshot(out)`, required without `params`: copies the weights into one flat tensor per
+        bucket of `self.ranges` (reusing `out`). It is collective under ZeRO-3 (every learner
+        rank joins the gathers), so it runs on every sync, with or without members.
 
         The broadcast runs in a background thread on a snapshot of the parameters, so the
         next update overlaps it. That is safe for any max_staleness: the hub grants work
@@ -63,9 +106,8 @@ class WeightSender:
         """
         t0 = time.perf_counter()
         out = self.wait()
-        # Reused across syncs; safe because wait() above finished the broadcast that read them.
-        self._flats = flats = snapshot(self._flats)
-        assert flats is not None
+        if snapshot is not None:  # reused across syncs; safe because wait() finished the broadcast that read them
+            self._flats = snapshot(self._flats)
         members = hub.live_actors()
         if not members:
             out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": 0.0})
@@ -82,40 +124,59 @@ class WeightSender:
                 rank=rank, world_size=world, timeout_s=self.cfg.timeout_s, names=self.names,
                 shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
 
+        # The copies are reused across syncs; safe because wait() above finished the broadcast that read them.
+        if snapshot is not None:
+            flats = self._flats
+        else:
+            assert self.buckets is not None, "WeightSender without params needs a snapshot"
+            flats = None if self._guarded else self.buckets.snapshot()
         hub.send_weight_sync(members, make)
         self._thread = threading.Thread(target=self._broadcast, args=(flats, epoch, world), name="fleetrl-weights", daemon=True)
         self._thread.start()
         out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": float(len(members))})
         return out
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The last snapshot as named full tensors (views of the buckets), for a checkpoint."""
-        assert self._flats is not None, "no snapshot yet: sync() has not run"
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The last snapshot as named full tensors (views of the buckets), for a checkpoint; None without one."""
+        if self._flats is None:
+            return None
         out: dict[str, torch.Tensor] = {}
-        for flat, bucket in zip(self._flats, self.buckets, strict=True):
+        for flat, bucket in zip(self._flats, self.ranges, strict=True):
             views = wg.split_bucket(flat, [self.shapes[i] for i in bucket])
             out.update(zip([self.names[i] for i in bucket], views, strict=True))
         return out
 
     def wait(self) -> dict[str, float]:
-        """Finish the broadcast in flight; report its duration, or its failure."""
+        """Finish the broadcast in flight; report its duration, or its failure, and any wait the guard imposed."""
+        self._join()
+        out, self._outcome = self._outcome, {}
+        if self._guarded:
+            out["time/weight_guard_wait"], self._guard_wait_s = self._guard_wait_s, 0.0
+        return out
+
+    def _join(self) -> None:
         if self._thread is None:
-            return {}
+            return
         self._thread.join()
         self._thread = None
         if self._error is not None:
             self.log.error("weights.broadcast_failed", epoch=self.epoch, error=self._error)
             self._error, self.group, self.members = None, None, []  # the next sync forms a new epoch
-            return {"weights/failed": 1.0}
-        return {"time/broadcast": self._last_s}
+            self._outcome = {"weights/failed": 1.0}
+        else:
+            self._outcome = {"time/broadcast": self._last_s}
 
-    def _broadcast(self, flats: list[torch.Tensor], epoch: int, world: int) -> None:
+    def _broadcast(self, flats: list[torch.Tensor] | None, epoch: int, world: int) -> None:
         t0 = time.perf_counter()
         try:
             if self.group is None:
                 self.group = wg.open_group(self.store, self.cfg.host, epoch, 0, world, self.cfg.timeout_s, self.backend)
-            for flat in flats:
-                wg.broadcast(self.group, flat)
+            if self.buckets is None:
+                assert flats is not None
+                for flat in flats:
+                    wg.broadcast(self.group, flat)
+            else:
+                self.buckets.send(self.group, flats)  # guarded (flats None): the parameters wait for this thread
         except RuntimeError as e:  # gloo/NCCL raise RuntimeError (DistBackendError) on timeout or a dead peer
             self._error = str(e)
         self._last_s = time.perf_counter() - t0

@@ -11,12 +11,27 @@ version is the version of the weights that produced its oldest token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: positional header (protocol/codec.py)
+
+
+_ONES = np.ones(1 << 16, np.float32)
+
+
+def _sum(x: np.ndarray) -> float:
+    """Sum of a float32 vector as a BLAS dot with ones: half the cost of np.add.reduce at every size
+    measured (0.7 vs 1.3 us for 512 values, 14 vs 28 us for 131k). A sum is finite only if every
+    term is (inf and nan propagate), so this is the finiteness check without a temporary array."""
+    global _ONES
+    ones = _ONES
+    if len(x) > len(ones):  # grows to the longest group seen, replaced whole: a thread keeps the one it read
+        ones = _ONES = np.ones(len(x), np.float32)
+    return float(x.dot(ones[: len(x)]))
 
 
 class ProtocolError(ValueError):
@@ -110,21 +125,24 @@ class RolloutGroup(Message):
     reward_s: float  # seconds spent scoring
 
     def check(self) -> None:
-        n = self.lengths.shape[0]
+        # n (completions in a group) is small: plain Python over n values costs less than one
+        # numpy reduction (~1.3 us of call overhead each), and decode runs once per group.
+        lengths = self.lengths.tolist()
+        n = len(lengths)
         if n == 0:
             raise ProtocolError("RolloutGroup.lengths: no completions")
-        if (self.lengths < 0).any():
+        if min(lengths) < 0:
             raise ProtocolError("RolloutGroup.lengths: negative length")
-        total = int(self.lengths.sum())
-        if self.completion_tokens.shape[0] != total:
-            raise ProtocolError(f"RolloutGroup.completion_tokens: {self.completion_tokens.shape[0]} tokens, lengths sum to {total}")
-        if self.behaviour_logprobs.shape[0] != total:
-            raise ProtocolError(f"RolloutGroup.behaviour_logprobs: {self.behaviour_logprobs.shape[0]} values, lengths sum to {total}")
-        if self.rewards.shape[0] != n or len(self.finish_reasons) != n:
-            raise ProtocolError(f"RolloutGroup: {n} completions but {self.rewards.shape[0]} rewards, {len(self.finish_reasons)} finish reasons")
+        total = sum(lengths)
+        if len(self.completion_tokens) != total:
+            raise ProtocolError(f"RolloutGroup.completion_tokens: {len(self.completion_tokens)} tokens, lengths sum to {total}")
+        if len(self.behaviour_logprobs) != total:
+            raise ProtocolError(f"RolloutGroup.behaviour_logprobs: {len(self.behaviour_logprobs)} values, lengths sum to {total}")
+        if len(self.rewards) != n or len(self.finish_reasons) != n:
+            raise ProtocolError(f"RolloutGroup: {n} completions but {len(self.rewards)} rewards, {len(self.finish_reasons)} finish reasons")
         if self.version_max < self.version_min:
             raise ProtocolError("RolloutGroup: version_max < version_min")
-        if not (np.isfinite(self.rewards.sum()) and np.isfinite(self.behaviour_logprobs.sum())):  # one pass each
+        if not (math.isfinite(sum(self.rewards.tolist())) and math.isfinite(_sum(self.behaviour_logprobs))):
             raise ProtocolError("RolloutGroup: non-finite reward or logprob")
 
 

@@ -37,6 +37,7 @@ def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
     assert mismatches and max(mismatches) < 1e-4, mismatches  # on-policy samples: engine == learner
     assert rows[-1]["ledger/trained"] == steps * prompts
     assert rows[-1]["weights/members"] == 1  # the actor was in the weight group at every sync
+    assert all("time/weight_guard_wait" in r for r in rows)  # guarded: broadcast from ZeRO's flat parameters in place
     assert (run_dir / "config.toml").exists() and (run_dir / "reward_curve.png").exists()
     learner_log = [json.loads(x) for x in (run_dir / "logs" / "learner.jsonl").read_text().splitlines()]
     assert all("role" in e and "policy_version" in e for e in learner_log)

@@ -23,6 +23,7 @@ from protocol import messages as m
 from protocol import weights as wg
 from protocol.config import WeightsConfig
 from protocol.logs import get_logger
+from protocol.progress import phase
 
 Snapshot = Callable[[list[torch.Tensor] | None], list[torch.Tensor] | None]
 
@@ -112,10 +113,12 @@ class WeightSender:
     def _broadcast(self, flats: list[torch.Tensor], epoch: int, world: int) -> None:
         t0 = time.perf_counter()
         try:
-            if self.group is None:
-                self.group = wg.open_group(self.store, self.cfg.host, epoch, 0, world, self.cfg.timeout_s, self.backend)
-            for flat in flats:
-                wg.broadcast(self.group, flat)
+            # Milliseconds normally; a dead member blocks it up to weights.timeout_s, and then it says so.
+            with phase(self.log, "weights.broadcast", quiet=True, epoch=epoch, members=world - 1):
+                if self.group is None:
+                    self.group = wg.open_group(self.store, self.cfg.host, epoch, 0, world, self.cfg.timeout_s, self.backend)
+                for flat in flats:
+                    wg.broadcast(self.group, flat)
         except RuntimeError as e:  # gloo/NCCL raise RuntimeError (DistBackendError) on timeout or a dead peer
             self._error = str(e)
         self._last_s = time.perf_counter() - t0

@@ -34,6 +34,7 @@ from protocol import transport
 from protocol.config import Config, parse_cpus
 from protocol.logs import set_context, setup_logging
 from protocol.net import pin_cpus
+from protocol.progress import phase
 
 
 class Actor:
@@ -59,10 +60,8 @@ class Actor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        self.log.info("actor.engine_starting", model=self.cfg.model.path)
-        t0 = time.perf_counter()
-        self.engine = Engine(self.cfg)
-        self.log.info("actor.engine_ready", start_s=round(time.perf_counter() - t0, 1))
+        with phase(self.log, "actor.engine_start", model=self.cfg.model.path):  # blocks the loop; the ticker is a thread
+            self.engine = Engine(self.cfg)
         ctx = zmq.asyncio.Context()
         self.sock = transport.actor_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes)
         try:

@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 
 from protocol.config import CheckpointConfig
 from protocol.logs import get_logger
+from protocol.progress import phase
 
 Writer = Callable[[Path], None]  # writes one complete checkpoint into an empty folder
 
@@ -114,18 +115,18 @@ class CheckpointManager:
         final = self.dir / f"step-{version}"
         tmp = self.dir / f".tmp-step-{version}-{os.getpid()}"
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            self.write(tmp)
-            _fsync_tree(tmp)
-            tmp.rename(final)
-            _fsync_dir(self.dir)
+            with phase(self.log, "checkpoint.save", path=str(final), step=version):  # begin / still / done lines
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                self.write(tmp)
+                _fsync_tree(tmp)
+                tmp.rename(final)
+                _fsync_dir(self.dir)
         except WRITE_ERRORS as e:
             self.failed += 1
             shutil.rmtree(tmp, ignore_errors=True)
             self.log.error("checkpoint.save_failed", path=str(final), error=f"{type(e).__name__}: {e}", failed=self.failed)
             return None
-        self.log.info("checkpoint.saved", path=str(final), step=version)
         return final
 
     def _score(self, version: int, value: float, path: Path) -> None:

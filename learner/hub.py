@@ -23,12 +23,14 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvloop
 import zmq
 import zmq.asyncio
 
+from learner import control
 from learner import staleness as st
 from learner.data import PromptSet
 from learner.evaluation import EvalRound
@@ -48,6 +50,7 @@ class ActorState:
     held: set[Key] = field(default_factory=set)
     groups: int = 0  # groups accepted from it
     joined_at: float = 0.0
+    arrivals: deque[float] = field(default_factory=deque)  # accept times, last control.RATE_WINDOW_S (samples/s)
 
 
 @dataclass(slots=True)
@@ -60,7 +63,7 @@ class Accepted:
 
 
 class Hub:
-    def __init__(self, cfg: Config, prompts: PromptSet):
+    def __init__(self, cfg: Config, prompts: PromptSet, control_file: Path | None = None):
         self.cfg = cfg
         self.prompts = prompts
         self.log = get_logger()
@@ -75,6 +78,12 @@ class Hub:
         self.eval_round: EvalRound | None = None  # at most one; its grants never count as outstanding
         self.counters: Counter[str] = Counter()
         self.stopping = False
+        # Operations (learner/control.py): `fleetrl ctl`, `fleetrl status`, RUN_DIR/control.toml.
+        self.started = time.monotonic()
+        self.batch_max_staleness = self.max_staleness  # the k the current update's batch was checked with
+        self.recent_staleness: deque[int] = deque(maxlen=control.RECENT_GROUPS)  # (u + S - 1) - v of taken groups
+        self.times = control.UpdateTimes()
+        self.control_file = control.ControlFile(control_file) if control_file is not None else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._ready = threading.Event()
@@ -120,6 +129,11 @@ class Hub:
                     batch = sorted(self.buffer, key=lambda i: i.group.version_min)[:n]
                     taken = {id(i) for i in batch}
                     self.buffer = deque(i for i in self.buffer if id(i) not in taken)
+                    # A top-up take (learner/intake.py) joins an update already being assembled: its groups
+                    # passed an earlier take's k, so the update's bound is the largest k of its takes.
+                    k = self.max_staleness
+                    self.batch_max_staleness = max(self.batch_max_staleness, k) if self.training else k
+                    self.recent_staleness.extend(self.version + self.steps - 1 - i.group.version_min for i in batch)
                     self.training = True
                     return batch
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -165,13 +179,28 @@ class Hub:
             self.eval_round = None
         return rnd
 
-    def set_max_staleness(self, k: int) -> None:
+    def set_max_staleness(self, k: int, source: str = "api") -> int:
+        """Takes effect for admission at once and for every batch taken after it (learner/control.py); returns the old k."""
         if k < self.steps - 1:
             raise ValueError(f"max_staleness: {k} < {self.steps} optimizer steps per update - 1; even fresh samples would break it")
         with self.cond:
             old, self.max_staleness = self.max_staleness, k
-        self.log.info("hub.max_staleness_changed", old=old, new=k)
+            version = self.version
+        self.log.info("hub.max_staleness_changed", old=old, new=k, version=version, source=source)
         self._kick()
+        return old
+
+    def note_update(self, step_s: float, sync_started: float, sync_s: float, broadcast_s: float | None) -> None:
+        """The training thread's timings of the update it just finished, for `fleetrl status`.
+
+        `sync_started` is time.monotonic() at the start of the weight sync; `broadcast_s` the duration
+        of the last finished broadcast, None when the sync reported none.
+        """
+        with self.cond:
+            t = self.times
+            t.updates, t.step_s, t.syncs, t.sync_started, t.sync_s = t.updates + 1, step_s, t.syncs + 1, sync_started, sync_s
+            if broadcast_s is not None:
+                t.broadcast_s = broadcast_s
 
     def live_actors(self) -> list[str]:
         with self.cond:
@@ -328,6 +357,7 @@ class Hub:
                 if self.ledger.receive(key):
                     state.groups += 1
                     item = Accepted(key, msg, time.monotonic())
+                    control.note_arrival(state, item.arrived)
                     if st.admissible(self.version, msg.version_min, self.max_staleness, self.steps):
                         self.buffer.append(item)
                         self.cond.notify_all()
@@ -359,6 +389,13 @@ class Hub:
             await self._send(identity, m.Error(code="rejected", detail=why))
         await self._pump()
 
+    # ---- operations (learner/control.py): one request, one reply; the client is not an actor ----
+    async def _on_control(self, identity: bytes, msg: m.ControlRequest) -> None:
+        await self._send(identity, control.apply(self, msg.key, msg.value, source="fleetrl ctl"))
+
+    async def _on_status(self, identity: bytes, msg: m.StatusRequest) -> None:
+        await self._send(identity, control.status_reply(self))
+
     _handlers: dict[type, Callable[[Hub, bytes, Any], Awaitable[None]]] = {
         m.Register: _on_register,
         m.Heartbeat: _on_heartbeat,
@@ -366,6 +403,8 @@ class Hub:
         m.RolloutGroup: _on_rollout,
         m.EvalResult: _on_eval_result,
         m.WeightVersion: _on_weight_version,
+        m.ControlRequest: _on_control,
+        m.StatusRequest: _on_status,
     }
 
     def _drop_stale(self, item: Accepted) -> None:
@@ -442,6 +481,8 @@ class Hub:
                         state.held.discard(key)
             if expired:
                 self.log.warning("hub.leases_expired", count=len(expired))
+            if self.control_file is not None:
+                self.control_file.poll(self)
             await self._pump()
 
     async def _shutdown_actors(self, reason: str) -> None:

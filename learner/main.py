@@ -91,7 +91,7 @@ def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
 
 def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, total_updates: int, run_dir: Path, log) -> int:
     prompts = data.train
-    hub = Hub(cfg, prompts)
+    hub = Hub(cfg, prompts, control_file=run_dir / "control.toml")  # operator's live settings (learner/control.py)
     hub.start()
     names = [n for n, _ in trainer.named_parameters()]
     sharded = cfg.train.zero_stage == 3
@@ -124,7 +124,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                 break
             batch, filtered = taken
             t_wait = time.perf_counter() - t0
-            k = hub.max_staleness
+            k = hub.batch_max_staleness  # not hub.max_staleness: `fleetrl ctl` may have changed it since the take
             groups = [item.group for item in batch]
             try:
                 shares, advantages = make_shares(cfg, groups, version, k, topo.dp_size)
@@ -137,8 +137,10 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
             updates += 1
             set_context(policy_version=version)
             hub.finish_update(version, [item.key for item in batch + filtered])
+            t_sync = time.monotonic()
             sync = sender.sync(version, hub, snapshot)
             step_s = time.perf_counter() - t0
+            hub.note_update(step_s, t_sync, sync["time/weight_sync"], sync.get("time/broadcast"))
             last = updates >= total_updates
             # Blocks until the actors answer (time/eval, not in time/step); no newer weights go out meanwhile,
             # so `version` is what they serve.

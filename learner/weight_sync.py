@@ -34,6 +34,7 @@ from protocol import messages as m
 from protocol import weights as wg
 from protocol.config import WeightsConfig
 from protocol.logs import get_logger
+from protocol.progress import phase
 
 Snapshot = Callable[[list[torch.Tensor] | None], list[torch.Tensor] | None]
 
@@ -169,14 +170,16 @@ class WeightSender:
     def _broadcast(self, flats: list[torch.Tensor] | None, epoch: int, world: int) -> None:
         t0 = time.perf_counter()
         try:
-            if self.group is None:
-                self.group = wg.open_group(self.store, self.cfg.host, epoch, 0, world, self.cfg.timeout_s, self.backend)
-            if self.buckets is None:
-                assert flats is not None
-                for flat in flats:
-                    wg.broadcast(self.group, flat)
-            else:
-                self.buckets.send(self.group, flats)  # guarded (flats None): the parameters wait for this thread
+            # Milliseconds normally; a dead member blocks it up to weights.timeout_s, and then it says so.
+            with phase(self.log, "weights.broadcast", quiet=True, epoch=epoch, members=world - 1):
+                if self.group is None:
+                    self.group = wg.open_group(self.store, self.cfg.host, epoch, 0, world, self.cfg.timeout_s, self.backend)
+                if self.buckets is None:
+                    assert flats is not None
+                    for flat in flats:
+                        wg.broadcast(self.group, flat)
+                else:
+                    self.buckets.send(self.group, flats)  # guarded (flats None): the parameters wait for this thread
         except RuntimeError as e:  # gloo/NCCL raise RuntimeError (DistBackendError) on timeout or a dead peer
             self._error = str(e)
         self._last_s = time.perf_counter() - t0

@@ -82,7 +82,7 @@ class _Schema:
         hints = typing.get_type_hints(msg_cls)
         fields = tuple(f.name for f in dataclasses.fields(msg_cls) if f.name not in msg_cls.ARRAYS)
         types = tuple(typing.get_origin(hints[f]) or hints[f] for f in fields)
-        assert all(t in (str, int, float, list) for t in types), f"{msg_cls.__name__}: unsupported field type"
+        assert all(t in (str, int, float, bool, list) for t in types), f"{msg_cls.__name__}: unsupported field type"
         arrays = tuple(msg_cls.ARRAYS)
         ranks = tuple(r for _, r in msg_cls.ARRAYS.values())
         dtypes = tuple(np.dtype(d).newbyteorder("<") for d, _ in msg_cls.ARRAYS.values())

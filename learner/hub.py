@@ -321,12 +321,15 @@ class Hub:
     async def _on_rollout(self, identity: bytes, msg: m.RolloutGroup) -> None:
         key = (msg.epoch, msg.prompt_id)
         n, expected = msg.lengths.shape[0], self.cfg.rollout.samples_per_prompt
+        first_s = None
         with self.cond:
             state = self._known(msg.actor_id, identity)
             if state is not None and n == expected:
                 state.held.discard(key)
                 if self.ledger.receive(key):
                     state.groups += 1
+                    if state.groups == 1:
+                        first_s = time.monotonic() - state.joined_at
                     item = Accepted(key, msg, time.monotonic())
                     if st.admissible(self.version, msg.version_min, self.max_staleness, self.steps):
                         self.buffer.append(item)
@@ -335,6 +338,10 @@ class Hub:
                         self._drop_stale(item)
             elif state is not None:
                 self.counters["bad_group_size"] += 1
+        if state is not None and n == expected:
+            self.log.debug("hub.group_received", actor=msg.actor_id, key=key, version=msg.version_min)
+        if first_s is not None:  # since (re-)registration: how long a joining actor takes to contribute
+            self.log.info("hub.actor_first_group", actor=msg.actor_id, after_s=round(first_s, 2), version=msg.version_min)
         if state is None:
             await self._unknown(identity, msg.actor_id)
         elif n != expected:
@@ -380,6 +387,7 @@ class Hub:
     async def _pump(self) -> None:
         """Grant prompts to actors with demand, as far as admission control allows."""
         sends: list[tuple[bytes, m.WorkGrant]] = []
+        granted: list[tuple[str, int, int]] = []  # (actor, epoch, prompt id)
         with self.cond:
             evals = self._eval_grants()  # sent first: the learner is waiting on them
             capacity = st.admission_capacity(self.version, self.training, self.max_staleness, self.cfg.train.prompts_per_step, self._outstanding(), self.steps)
@@ -395,6 +403,7 @@ class Hub:
                         break
                     self.ledger.grant(key, actor_id, deadline)
                     state.held.add(key)
+                    granted.append((actor_id, *key))
                     state.demand -= 1
                     capacity -= 1
                     prompt = self.prompts[key[1]]
@@ -402,6 +411,8 @@ class Hub:
                         prompt_id=key[1], epoch=key[0], prompt_tokens=prompt.tokens, answer=prompt.answer,
                         policy_version=min_version, lease_s=self.cfg.staleness.lease_s)))
             self.counters["granted"] += len(sends)
+        if granted:  # debug: lets an operator (and the multi-host test) follow which actor holds which prompt
+            self.log.debug("hub.granted", grants=granted)
         for identity, grant in [*evals, *sends]:
             await self._send(identity, grant)
 
@@ -420,10 +431,10 @@ class Hub:
         state = self.actors.pop(actor_id)
         if self.eval_round is not None:
             self.eval_round.release_actor(actor_id)
-        for key in list(state.held):
-            if self.ledger.entries[key].actor == actor_id:
-                self.ledger.requeue(key, "dead")
-        self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(state.held))
+        requeued = [key for key in state.held if self.ledger.entries[key].actor == actor_id]
+        for key in requeued:
+            self.ledger.requeue(key, "dead")
+        self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(requeued), keys=sorted(requeued))
 
     async def _housekeeping(self) -> None:
         """Expire leases and declare silent actors dead, once a second."""

@@ -177,6 +177,11 @@ class Hub:
         with self.cond:
             return sorted(self.actors)
 
+    def lagging_actors(self, version: int) -> list[str]:
+        """Live actors serving a version older than `version`: they get no grants until they catch up."""
+        with self.cond:
+            return sorted(a for a, s in self.actors.items() if s.served_version < version)
+
     def send_weight_sync(self, members: list[str], make: Callable[[str, int], m.WeightSync]) -> None:
         """Send `make(actor_id, rank)` (a WeightSync) to each member, rank = position + 1."""
         assert self._loop is not None

@@ -96,6 +96,12 @@ class Network:
             _ip("link", "add", self.bridge, "type", "bridge")
         except RuntimeError as e:
             raise NetnsUnavailable(str(e)) from e
+        try:  # a container may allow links but not namespaces (they need a mount under /run/netns)
+            _ip("netns", "add", f"fleetrl-{self.id}-probe")
+            _ip("netns", "del", f"fleetrl-{self.id}-probe")
+        except RuntimeError as e:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+            raise NetnsUnavailable(str(e)) from e
         _ip("addr", "add", f"{self.subnet[254]}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
 

@@ -60,3 +60,14 @@ def test_teardown_removes_every_namespace_link_and_process(tmp_path):
     assert host.netns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert net.bridge not in links and host.link not in links
+
+
+def test_without_root_or_iproute2_the_fixture_says_why(monkeypatch):
+    import netns as mod
+
+    monkeypatch.setattr(mod.os, "geteuid", lambda: 1000)
+    with pytest.raises(NetnsUnavailable, match="need root"):
+        Network()
+    monkeypatch.setattr(mod.shutil, "which", lambda name: None)
+    with pytest.raises(NetnsUnavailable, match="iproute2"):
+        Network()

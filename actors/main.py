@@ -6,6 +6,7 @@
     eval task:      EvalGrant -> generate with its sampling (greedy or sampled) -> score -> EvalResult
                     (not counted in `held`: eval work never takes the place of training work)
     sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
+                    (a broken group is logged and survived: the learner's next sync forms a new epoch)
     heartbeat task: Heartbeat every hub.heartbeat_s; re-registers when the hub stops answering
 
 A sample's version_min is the version served when its generation started; the
@@ -46,6 +47,7 @@ class Actor:
         self.served_version = 0  # the weights in model.path are the learner's version 0
         self.version_changed = asyncio.Condition()
         self.sync_lock = asyncio.Lock()
+        self.newest_group: tuple[str, int, int] | None = None  # (store host, port, epoch) of the last WeightSync received
         self.held = 0
         self.registered = asyncio.Event()
         self.stop = asyncio.Event()
@@ -138,6 +140,7 @@ class Actor:
             elif isinstance(msg, m.EvalGrant):
                 self._spawn(self._run_eval(msg))
             elif isinstance(msg, m.WeightSync):
+                self.newest_group = (msg.store_host, msg.store_port, msg.group_epoch)
                 self._spawn(self._apply_sync(msg))
             elif isinstance(msg, m.Shutdown):
                 self.log.info("actor.shutdown_requested", reason=msg.reason)
@@ -186,8 +189,21 @@ class Actor:
 
     async def _apply_sync(self, sync: m.WeightSync) -> None:
         async with self.sync_lock:
+            if (sync.store_host, sync.store_port, sync.group_epoch) != self.newest_group:
+                # The learner sends a new epoch only after it is done with the old one, so a sync of an older
+                # group is abandoned (queued behind one that failed slowly, e.g. while our link was down):
+                # joining it would cost a timeout. Within one group every broadcast must be received, in order.
+                self.log.info("actor.weights_skipped", version=sync.policy_version, epoch=sync.group_epoch, newer=self.newest_group)
+                return
             t0 = time.perf_counter()
             result = await self.engine.apply_weights(sync)
+            if "error" in result:
+                # The group broke (a member died, or the link to the learner was down). The learner forms
+                # a new epoch at its next sync; until then we serve the old version (or nothing, paused,
+                # if some buckets were loaded) and the hub grants us nothing newer.
+                self.log.warning("actor.weights_failed", version=sync.policy_version, epoch=sync.group_epoch, served=self.served_version,
+                                 paused=result["buckets_loaded"] > 0, **result)
+                return
             async with self.version_changed:
                 self.served_version = sync.policy_version
                 self.version_changed.notify_all()

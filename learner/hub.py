@@ -206,6 +206,11 @@ class Hub:
         with self.cond:
             return sorted(self.actors)
 
+    def lagging_actors(self, version: int) -> list[str]:
+        """Live actors serving a version older than `version`: they get no grants until they catch up."""
+        with self.cond:
+            return sorted(a for a, s in self.actors.items() if s.served_version < version)
+
     def send_weight_sync(self, members: list[str], make: Callable[[str, int], m.WeightSync]) -> None:
         """Send `make(actor_id, rank)` (a WeightSync) to each member, rank = position + 1."""
         assert self._loop is not None
@@ -350,12 +355,15 @@ class Hub:
     async def _on_rollout(self, identity: bytes, msg: m.RolloutGroup) -> None:
         key = (msg.epoch, msg.prompt_id)
         n, expected = msg.lengths.shape[0], self.cfg.rollout.samples_per_prompt
+        first_s = None
         with self.cond:
             state = self._known(msg.actor_id, identity)
             if state is not None and n == expected:
                 state.held.discard(key)
                 if self.ledger.receive(key):
                     state.groups += 1
+                    if state.groups == 1:
+                        first_s = time.monotonic() - state.joined_at
                     item = Accepted(key, msg, time.monotonic())
                     control.note_arrival(state, item.arrived)
                     if st.admissible(self.version, msg.version_min, self.max_staleness, self.steps):
@@ -365,6 +373,10 @@ class Hub:
                         self._drop_stale(item)
             elif state is not None:
                 self.counters["bad_group_size"] += 1
+        if state is not None and n == expected:
+            self.log.debug("hub.group_received", actor=msg.actor_id, key=key, version=msg.version_min)
+        if first_s is not None:  # since (re-)registration: how long a joining actor takes to contribute
+            self.log.info("hub.actor_first_group", actor=msg.actor_id, after_s=round(first_s, 2), version=msg.version_min)
         if state is None:
             await self._unknown(identity, msg.actor_id)
         elif n != expected:
@@ -419,6 +431,7 @@ class Hub:
     async def _pump(self) -> None:
         """Grant prompts to actors with demand, as far as admission control allows."""
         sends: list[tuple[bytes, m.WorkGrant]] = []
+        granted: list[tuple[str, int, int]] = []  # (actor, epoch, prompt id)
         with self.cond:
             evals = self._eval_grants()  # sent first: the learner is waiting on them
             capacity = st.admission_capacity(self.version, self.training, self.max_staleness, self.cfg.train.prompts_per_step, self._outstanding(), self.steps)
@@ -434,6 +447,7 @@ class Hub:
                         break
                     self.ledger.grant(key, actor_id, deadline)
                     state.held.add(key)
+                    granted.append((actor_id, *key))
                     state.demand -= 1
                     capacity -= 1
                     prompt = self.prompts[key[1]]
@@ -441,6 +455,8 @@ class Hub:
                         prompt_id=key[1], epoch=key[0], prompt_tokens=prompt.tokens, answer=prompt.answer,
                         policy_version=min_version, lease_s=self.cfg.staleness.lease_s)))
             self.counters["granted"] += len(sends)
+        if granted:  # debug: lets an operator (and the multi-host test) follow which actor holds which prompt
+            self.log.debug("hub.granted", grants=granted)
         for identity, grant in [*evals, *sends]:
             await self._send(identity, grant)
 
@@ -459,10 +475,10 @@ class Hub:
         state = self.actors.pop(actor_id)
         if self.eval_round is not None:
             self.eval_round.release_actor(actor_id)
-        for key in list(state.held):
-            if self.ledger.entries[key].actor == actor_id:
-                self.ledger.requeue(key, "dead")
-        self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(state.held))
+        requeued = [key for key in state.held if self.ledger.entries[key].actor == actor_id]
+        for key in requeued:
+            self.ledger.requeue(key, "dead")
+        self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(requeued), keys=sorted(requeued))
 
     async def _housekeeping(self) -> None:
         """Expire leases and declare silent actors dead, once a second."""

@@ -27,6 +27,7 @@ from learner.hub import Hub
 from learner.intake import take_update_batch
 from learner.metrics import MetricsWriter
 from learner.plan import make_plan, render
+from learner.resync import Resync
 from learner.shard import Share, scatter_shares
 from learner.trainer import StepLayout, Trainer, make_shares
 from learner.weight_sync import WeightSender
@@ -104,6 +105,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     snapshot = (lambda out: trainer.snapshot(sender.ranges, sender.torch_dtype, out)) if sharded else None
     metrics = MetricsWriter(run_dir)
     evaluator = Evaluator(cfg, data.eval_sets(), hub)
+    resync = Resync(sender=sender, hub=hub, patience_s=cfg.weights.timeout_s + 1.0)  # no actor left on the current version
     # Checkpoints: from the model on rank 0, or under ZeRO-3 from the weight snapshot rank 0 already holds.
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir, hf_writer(trainer.engine.module, tokenizer, sender.state_dict))
     params = sum(int(np.prod(s)) for s in trainer.full_shapes())
@@ -119,7 +121,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     try:
         while updates < total_updates and not stop["flag"]:
             t0 = time.perf_counter()
-            taken = take_update_batch(hub, cfg, stop, log)
+            taken = take_update_batch(hub, cfg, stop, log, on_idle=resync)
             if taken is None:
                 break
             batch, filtered = taken
@@ -139,6 +141,8 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
             hub.finish_update(version, [item.key for item in batch + filtered])
             t_sync = time.monotonic()
             sync = sender.sync(version, hub, snapshot)
+            resync.synced(version)
+            sync["weights/resyncs"] = float(resync.count)
             step_s = time.perf_counter() - t0
             hub.note_update(step_s, t_sync, sync["time/weight_sync"], sync.get("time/broadcast"))
             last = updates >= total_updates

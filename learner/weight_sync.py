@@ -137,6 +137,11 @@ class WeightSender:
         out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": float(len(members))})
         return out
 
+    def resend(self, version: int, hub: Hub) -> dict[str, float]:
+        """Send `version` again, as it is: the last snapshot (ZeRO-3), or the parameters, which nothing
+        changes while the learner waits for rollouts. No collective: the other learner ranks are not involved."""
+        return self.sync(version, hub, (lambda flats: flats) if self.buckets is None else None)
+
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The last snapshot as named full tensors (views of the buckets), for a checkpoint; None without one."""
         if self._flats is None:

@@ -22,7 +22,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/fleetrl demo $(ARGS)
 
+# The network-namespace tests (tests/netns.py) need iproute2 and root; without them they skip, saying why.
+IPROUTE2 := command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	&& { DEBIAN_FRONTEND=noninteractive apt-get update -qq -o Acquire::http::Timeout=10 && DEBIAN_FRONTEND=noninteractive \
+	apt-get install -y -qq iproute2; } >/dev/null 2>&1; } || echo "make: iproute2 not installed (needs root and apt): the network-namespace tests will skip"
+
 test: $(STAMP)
+	@$(IPROUTE2)
 	$(PY) -m pytest tests -q
 
 test-fast: $(STAMP)

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -85,18 +86,23 @@ class Engine:
                 finish_reason=c.finish_reason or "length", text=c.text))
         return completions
 
-    async def apply_weights(self, sync: WeightSync, leave_group: bool = False) -> dict[str, float]:
+    async def apply_weights(self, sync: WeightSync, leave_group: bool = False) -> dict[str, Any]:
         """Pause between engine steps (in-flight requests are kept), receive and load, resume.
 
         `leave_group`: the worker first drops its weight group and store (the learner that made them is gone).
+        A failed sync (`"error"` in the result) after some buckets were loaded leaves the engine
+        holding parts of two versions: it stays paused until a complete sync resumes it.
         """
         fields = {f.name: getattr(sync, f.name) for f in dataclasses.fields(sync)}
         fields["leave_group"] = leave_group
         await self.llm.pause_generation(mode="keep", clear_cache=False)
+        partial = False
         try:
             (result,) = await self.llm.collective_rpc("fleetrl_receive", args=(fields,), timeout=sync.timeout_s + 30)
+            partial = "error" in result and result["buckets_loaded"] > 0
         finally:
-            await self.llm.resume_generation()
+            if not partial:
+                await self.llm.resume_generation()
         return result
 
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@
     eval task:      EvalGrant -> generate with its sampling (greedy or sampled) -> score -> EvalResult
                     (not counted in `held`: eval work never takes the place of training work)
     sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
+                    (a broken group is logged and survived: the learner's next sync forms a new epoch)
     heartbeat task: Heartbeat every hub.heartbeat_s; re-registers when the hub stops answering
     watch task:     the learner's connection closing (it died or restarted) -> learner lost
 
@@ -14,7 +15,8 @@ and waits (actor.waiting_for_learner, registering again with backoff). Work gran
 void: the grant and eval tasks are cancelled (a resumed learner put those prompts back in its
 queue). The weights it holds may come from versions the resumed learner will train again
 differently, so it serves version -1 until the learner's next sync, and its worker leaves the
-old weight group (a new learner has a new rendezvous). A sync that fails counts as a lost learner.
+old weight group (a new learner has a new rendezvous). A sync that fails is not a lost learner:
+it is logged and survived like any broken group.
 
 A sample's version_min is the version served when its generation started; the
 served version is bumped only after new weights are loaded, so a sample is never
@@ -43,6 +45,7 @@ from protocol import transport
 from protocol.config import Config, parse_cpus
 from protocol.logs import set_context, setup_logging
 from protocol.net import pin_cpus
+from protocol.progress import phase
 
 
 class Actor:
@@ -54,6 +57,7 @@ class Actor:
         self.served_version = 0  # the weights in model.path are the learner's version 0
         self.version_changed = asyncio.Condition()
         self.sync_lock = asyncio.Lock()
+        self.newest_group: tuple[str, int, int] | None = None  # (store host, port, epoch) of the last WeightSync received
         self.held = 0
         self.work: set[asyncio.Task] = set()  # grant and eval tasks: void when the learner is lost
         self.lost = 0  # times the learner was lost; a sync started before a loss must not set served_version
@@ -71,10 +75,8 @@ class Actor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        self.log.info("actor.engine_starting", model=self.cfg.model.path)
-        t0 = time.perf_counter()
-        self.engine = Engine(self.cfg)
-        self.log.info("actor.engine_ready", start_s=round(time.perf_counter() - t0, 1))
+        with phase(self.log, "actor.engine_start", model=self.cfg.model.path):  # blocks the loop; the ticker is a thread
+            self.engine = Engine(self.cfg)
         ctx = zmq.asyncio.Context()
         self.sock = transport.actor_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes)
         try:
@@ -185,6 +187,7 @@ class Actor:
             elif isinstance(msg, m.EvalGrant):
                 self._spawn_work(self._run_eval(msg))
             elif isinstance(msg, m.WeightSync):
+                self.newest_group = (msg.store_host, msg.store_port, msg.group_epoch)
                 self._spawn(self._apply_sync(msg))
             elif isinstance(msg, m.Shutdown):
                 self.log.info("actor.shutdown_requested", reason=msg.reason)
@@ -234,14 +237,22 @@ class Actor:
 
     async def _apply_sync(self, sync: m.WeightSync) -> None:
         async with self.sync_lock:
+            if (sync.store_host, sync.store_port, sync.group_epoch) != self.newest_group:
+                # The learner sends a new epoch only after it is done with the old one, so a sync of an older
+                # group is abandoned (queued behind one that failed slowly, e.g. while our link was down):
+                # joining it would cost a timeout. Within one group every broadcast must be received, in order.
+                self.log.info("actor.weights_skipped", version=sync.policy_version, epoch=sync.group_epoch, newer=self.newest_group)
+                return
             t0 = time.perf_counter()
             lost, leave, self.leave_group = self.lost, self.leave_group, False
-            try:
-                result = await self.engine.apply_weights(sync, leave_group=leave)
-            except Exception as e:  # vLLM re-raises the worker's error as a bare Exception: gloo failed (peer died, timeout)
-                self.log.warning("actor.weight_sync_failed", version=sync.policy_version, epoch=sync.group_epoch, error=str(e)[-500:])
-                if lost == self.lost and self.registered.is_set():
-                    self._lost_learner("weight sync failed")  # re-registering makes the learner form a new group epoch
+            result = await self.engine.apply_weights(sync, leave_group=leave)
+            if "error" in result:
+                # The group broke (a member died, the link to the learner was down, or the learner died). The
+                # learner forms a new epoch at its next sync or re-send (learner/resync.py); until then we serve the
+                # old version (or nothing, paused, if some buckets were loaded) and the hub grants us nothing newer.
+                # A learner that is gone shows as a closed connection (the watch task), not here.
+                self.log.warning("actor.weights_failed", version=sync.policy_version, epoch=sync.group_epoch, served=self.served_version,
+                                 paused=result["buckets_loaded"] > 0, **result)
                 return
             if lost != self.lost:  # weights of a learner that is gone: keep serving -1 until the next one's sync
                 self.log.info("actor.stale_sync_ignored", version=sync.policy_version, epoch=sync.group_epoch)

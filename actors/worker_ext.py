@@ -40,54 +40,60 @@ class FleetWeightReceiver:
     """Methods run in the vLLM worker; names carry a prefix so they cannot clash with the worker's."""
 
     model_runner: Any  # provided by the vLLM worker class this is mixed into
+    # The weight group this worker is in, keyed by (store address, epoch); None = none (or it broke).
+    _fleetrl_epoch: tuple[tuple[str, int], int] | None = None
+    _fleetrl_pg: Any = None
+    _fleetrl_store: Any = None
+    _fleetrl_store_key: tuple[str, int] | None = None
 
-    def fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, float]:
+    def fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, Any]:
         """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it.
 
-        A failure leaves no group behind: the learner re-forms it (a new epoch) at its next sync.
-        `sync["leave_group"]`: drop the group and the store first; a restarted learner numbers its
-        epochs from 1 again and may host its store on the same port, so neither may be reused.
+        A broken group (a member died, the link to the learner is down) makes gloo raise after
+        `timeout_s`. That is reported, not raised: the group and the store connection are dropped
+        (the learner forms a new epoch), and `buckets_loaded` says whether the engine now holds
+        parts of two versions.
+        `sync["leave_group"]`: drop the group and the store first (the learner that made them is
+        gone; a restarted one may host its store on the same port, with epochs from 1 again).
         """
         if sync.get("leave_group"):
             self._fleetrl_leave()
-        try:
-            return self._fleetrl_receive(sync)
-        except Exception:  # whatever broke (gloo: a dead peer, a timeout), this group is unusable
-            self._fleetrl_leave()
-            raise
-
-    def _fleetrl_leave(self) -> None:
-        for name in ("_fleetrl_pg", "_fleetrl_store", "_fleetrl_epoch", "_fleetrl_store_key"):
-            if hasattr(self, name):
-                delattr(self, name)
-
-    def _fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, float]:
         t0 = time.perf_counter()
-        group = self._fleetrl_group(sync)
-        t_join = time.perf_counter()
-        model = self.model_runner.get_model()
-        dtype = wg.DTYPES[sync["dtype"]]
-        need = wg.landing_numel(sync["shapes"], dtype, sync["bucket_bytes"])
-        buffer = getattr(self, "_fleetrl_buffer", None)
-        if buffer is None or buffer.dtype != dtype or buffer.numel() < need:
-            # One landing buffer kept across syncs (load_weights copies out of it): fresh memory
-            # page-faults on first touch, which costs about as much as the transfer.
-            buffer = self._fleetrl_buffer = torch.empty(need, dtype=dtype)
-        for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], dtype, sync["bucket_bytes"], buffer):
-            model.load_weights(pairs)
+        loaded = 0
+        try:
+            group = self._fleetrl_group(sync)
+            t_join = time.perf_counter()
+            model = self.model_runner.get_model()
+            dtype = wg.DTYPES[sync["dtype"]]
+            need = wg.landing_numel(sync["shapes"], dtype, sync["bucket_bytes"])
+            buffer = getattr(self, "_fleetrl_buffer", None)
+            if buffer is None or buffer.dtype != dtype or buffer.numel() < need:
+                # One landing buffer kept across syncs (load_weights copies out of it): fresh memory
+                # page-faults on first touch, which costs about as much as the transfer.
+                buffer = self._fleetrl_buffer = torch.empty(need, dtype=dtype)
+            for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], dtype, sync["bucket_bytes"], buffer):
+                model.load_weights(pairs)
+                loaded += 1
+        except RuntimeError as e:  # DistBackendError (timeout, peer closed) and DistStoreError are RuntimeErrors
+            self._fleetrl_leave()
+            return {"error": str(e).splitlines()[0][:500], "buckets_loaded": loaded, "failed_after_s": time.perf_counter() - t0}
         repacked = self._fleetrl_repack(model)
         return {"join_s": t_join - t0, "recv_load_s": time.perf_counter() - t_join, "repacked": float(repacked)}
 
+    def _fleetrl_leave(self) -> None:
+        self._fleetrl_epoch, self._fleetrl_pg, self._fleetrl_store, self._fleetrl_store_key = None, None, None, None
+
     def _fleetrl_group(self, sync: dict[str, Any]):
-        epoch = sync["group_epoch"]
-        if getattr(self, "_fleetrl_epoch", None) != epoch:
-            key = (sync["store_host"], sync["store_port"])
-            if getattr(self, "_fleetrl_store_key", None) != key:
+        # Keyed by the store too: a restarted learner numbers its epochs from 1 again.
+        key = (sync["store_host"], sync["store_port"])
+        epoch = (key, sync["group_epoch"])
+        if self._fleetrl_epoch != epoch:
+            if self._fleetrl_store_key != key:
                 self._fleetrl_store = wg.open_store(key[0], key[1], is_master=False, timeout_s=sync["timeout_s"])
                 self._fleetrl_store_key = key
             bind = local_addr_towards(sync["store_host"], sync["store_port"])
             self._fleetrl_pg = wg.open_group(
-                self._fleetrl_store, bind, epoch, sync["rank"], sync["world_size"], sync["timeout_s"],
+                self._fleetrl_store, bind, sync["group_epoch"], sync["rank"], sync["world_size"], sync["timeout_s"],
                 backend="nccl" if torch.cuda.is_available() else "gloo",
             )
             self._fleetrl_epoch = epoch

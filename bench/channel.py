@@ -1,12 +1,17 @@
 """Rollout channel throughput vs raw ZeroMQ bytes, same payload, same sockets, one run.
 
-FleetRL's channel: the actor encodes a RolloutGroup (msgpack header + raw array
-frames) and sends it from an asyncio DEALER; the hub's ROUTER receives it and
-`decode` validates every field before it is used. Raw: the same frames' bytes sent
-over the same socket pair and received without decoding. Each side runs in its own
-process over TCP loopback.
+Columns (both in two processes over TCP loopback, the sockets `protocol.transport` makes):
+  raw      the sender sends the frames of one encoded RolloutGroup, prepared once, with
+           `send_multipart(copy=False)`; the receiver only `recv_multipart(copy=False)`s them.
+  fleetrl  the sender encodes the group for every message (`transport.send`: msgpack header
+           + raw array frames) over the same call; the receiver makes the same receive call
+           and then `decode`s (validates every field, builds the RolloutGroup) each message.
+  ratio    fleetrl msg/s / raw msg/s of one raw/fleetrl pair run back to back; the table shows
+           the median over --repeats pairs and the spread (min-max). Target >= 0.8.
+  cpu us/msg  CPU time of both processes (all their threads, the zmq IO threads included) per
+           message: less sensitive to other load on the machine than msg/s.
 
-    python -m bench.channel [--seconds 3]
+    python -m bench.channel [--repeats 5] [--seconds 1.5]
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import statistics
 import time
 
 import numpy as np
@@ -26,6 +32,7 @@ from protocol.codec import encode
 from protocol.net import free_port
 
 HWM, MAX_FRAME = 256, 64 << 20
+PAYLOADS = [(8, 64), (8, 1024), (16, 8192)]  # completions x tokens per completion
 
 
 def make_group(completions: int, tokens: int) -> m.RolloutGroup:
@@ -43,33 +50,32 @@ def _receiver(port: int, mode: str, count: int, out) -> None:
         ctx = zmq.asyncio.Context()
         sock = transport.hub_socket(ctx, f"tcp://127.0.0.1:{port}", HWM, MAX_FRAME)
         out.put("ready")
-        got = await sock.recv_multipart(copy=False)  # first message starts the clock
-        t0 = time.perf_counter()
-        nbytes = 0
+        await sock.recv_multipart(copy=False)  # first message starts the clock
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(count - 1):
             frames = await sock.recv_multipart(copy=False)
             if mode == "fleetrl":
                 msg = transport.decode_frames(frames[1:], MAX_FRAME)
-                nbytes += msg.completion_tokens.nbytes + msg.behaviour_logprobs.nbytes
-            else:
-                nbytes += sum(len(f.buffer) for f in frames[1:])
-        out.put((time.perf_counter() - t0, nbytes, len(got)))
+                assert msg.prompt_id == 1
+        out.put(("recv", time.perf_counter() - t0, time.process_time() - cpu0))
         sock.close(linger=0)
         ctx.term()
 
     asyncio.run(main())
 
 
-def _sender(port: int, mode: str, count: int, group: m.RolloutGroup) -> None:
+def _sender(port: int, mode: str, count: int, group: m.RolloutGroup, out) -> None:
     async def main():
         ctx = zmq.asyncio.Context()
         sock = transport.actor_socket(ctx, f"tcp://127.0.0.1:{port}", HWM, MAX_FRAME)
         raw = [bytes(f) for f in encode(group)]
+        cpu0 = time.process_time()
         for _ in range(count):
             if mode == "fleetrl":
                 await transport.send(sock, group)
             else:
                 await sock.send_multipart(raw, copy=False)
+        out.put(("send", 0.0, time.process_time() - cpu0))
         await asyncio.sleep(0.5)
         sock.close(linger=2000)
         ctx.term()
@@ -77,35 +83,47 @@ def _sender(port: int, mode: str, count: int, group: m.RolloutGroup) -> None:
     asyncio.run(main())
 
 
-def measure(mode: str, group: m.RolloutGroup, count: int) -> float:
-    """Messages per second."""
+def measure(mode: str, group: m.RolloutGroup, count: int) -> tuple[float, float]:
+    """(messages per second, CPU microseconds per message of both processes)."""
     port = free_port()
-    q = mp.Queue()
+    q: mp.Queue = mp.Queue()
     recv = mp.Process(target=_receiver, args=(port, mode, count, q))
     recv.start()
     assert q.get(timeout=30) == "ready"
-    send = mp.Process(target=_sender, args=(port, mode, count, group))
+    send = mp.Process(target=_sender, args=(port, mode, count, group, q))
     send.start()
-    elapsed, _, _ = q.get(timeout=300)
+    results = dict((side, (wall, cpu)) for side, wall, cpu in (q.get(timeout=300), q.get(timeout=300)))
     send.join()
     recv.join()
-    return (count - 1) / elapsed
+    elapsed = results["recv"][0]
+    return (count - 1) / elapsed, (results["recv"][1] + results["send"][1]) / count * 1e6
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5, help="raw/fleetrl pairs per payload, run alternately")
+    ap.add_argument("--seconds", type=float, default=1.5, help="about how long one measurement runs")
     args = ap.parse_args()
     rows = []
-    for completions, tokens, count in [(8, 64, 20000), (8, 1024, 5000), (16, 8192, 400)]:
+    for completions, tokens in PAYLOADS:
         group = make_group(completions, tokens)
-        size = sum(len(bytes(f)) for f in encode(group))
-        best = {mode: max(measure(mode, group, count) for _ in range(args.repeats)) for mode in ("raw", "fleetrl")}
-        rows.append((f"{completions}x{tokens} tokens", size, best["raw"], best["fleetrl"]))
-    print(f"\n{'payload':<22}{'bytes/msg':>12}{'raw zmq msg/s':>16}{'fleetrl msg/s':>16}{'raw MB/s':>12}{'fleetrl MB/s':>14}{'ratio':>8}")
-    for name, size, raw, ours in rows:
-        print(f"{name:<22}{size:>12,}{raw:>16,.0f}{ours:>16,.0f}{raw * size / 1e6:>12,.0f}{ours * size / 1e6:>14,.0f}{ours / raw:>8.2f}")
-    print("\nratio = FleetRL channel (encode + send + receive + validated decode) / raw bytes on the same sockets; target >= 0.8")
+        size = sum(memoryview(f).nbytes for f in encode(group))
+        rate, _ = measure("raw", group, 2000)  # sizes the runs so each takes about --seconds
+        count = max(200, int(rate * args.seconds))
+        runs: dict[str, list[tuple[float, float]]] = {"raw": [], "fleetrl": []}
+        for _ in range(args.repeats):
+            for mode in ("raw", "fleetrl"):
+                runs[mode].append(measure(mode, group, count))
+        ratios = [f[0] / r[0] for r, f in zip(runs["raw"], runs["fleetrl"], strict=True)]
+        med = {mode: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for mode, v in runs.items()}
+        rows.append((f"{completions}x{tokens} tokens", size, med, ratios))
+    print(f"\n{'payload':<18}{'bytes/msg':>11}{'raw msg/s':>11}{'fleetrl msg/s':>15}{'ratio':>7}{'(min-max)':>12}"
+          f"{'raw cpu us/msg':>16}{'fleetrl cpu us/msg':>20}")
+    for name, size, med, ratios in rows:
+        print(f"{name:<18}{size:>11,}{med['raw'][0]:>11,.0f}{med['fleetrl'][0]:>15,.0f}{statistics.median(ratios):>7.2f}"
+              f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>12}{med['raw'][1]:>16.1f}{med['fleetrl'][1]:>20.1f}")
+    print(f"\nmedians of {args.repeats} raw/fleetrl pairs; ratio = fleetrl / raw msg/s within each pair (target >= 0.8).")
+    print("raw: the same frames received without decoding; fleetrl: encode + send + receive + validated decode.")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,23 +27,8 @@ SETTINGS = ["train.prompts_per_step=8", "rollout.samples_per_prompt=8", "train.m
             "cluster.learner_gpus_per_node=2", "staleness.max_staleness=0", "train.threads=1"]
 
 
-def synthetic_groups(cfg, update: int, version: int):
-    from protocol.messages import RolloutGroup
-
-    rng = np.random.default_rng(update)
-    n, out = cfg.rollout.samples_per_prompt, []
-    for g in range(cfg.train.prompts_per_step):
-        lengths = rng.integers(32, 129, size=n).astype(np.int32)
-        total = int(lengths.sum())
-        out.append(RolloutGroup(
-            actor_id="bench", prompt_id=g, epoch=update, prompt_tokens=rng.integers(3, 1000, size=32).astype(np.int32),
-            lengths=lengths, completion_tokens=rng.integers(3, 1000, size=total).astype(np.int32),
-            behaviour_logprobs=(-7.0 + 0.1 * rng.random(total)).astype(np.float32), rewards=rng.integers(0, 2, size=n).astype(np.float32),
-            finish_reasons=["stop"] * n, version_min=version, version_max=version, gen_s=0.1, reward_s=0.0))
-    return out
-
-
 def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: list[str]) -> None:
+    from bench.synthetic import synthetic_groups
     from learner.distributed import init_distributed, make_topology
     from learner.plan import make_plan
     from learner.shard import scatter_shares
@@ -67,7 +51,9 @@ def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: li
         if update == warmup:
             torch.distributed.barrier()
             t0 = time.perf_counter()
-        shares = make_shares(cfg, synthetic_groups(cfg, update, version), version, 0, topo.dp_size)[0] if topo.is_root else None
+        groups = synthetic_groups(groups=cfg.train.prompts_per_step, samples=cfg.rollout.samples_per_prompt, seed=update,
+                                  version=version, prompt_len=32, completion=(32, 128), vocab=(3, 1000), behaviour_logp=-7.0)
+        shares = make_shares(cfg, groups, version, 0, topo.dp_size)[0] if topo.is_root else None
         stats = trainer.update(scatter_shares(topo, shares))
         flats = trainer.snapshot(buckets, torch.float32, flats)
         version += 1

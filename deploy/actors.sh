@@ -1,25 +1,38 @@
 #!/usr/bin/env bash
 # Start N actors on this node, attached to a running learner:
-#   deploy/actors.sh --learner tcp://HOST:PORT --config CONFIG [--count N] [section.field=value ...]
-# If one actor fails, all actors started here are stopped and the script exits non-zero.
+#   deploy/actors.sh --learner tcp://HOST:PORT --config CONFIG [--count N] [--gpus-per-actor G] [section.field=value ...]
+# --gpus-per-actor G gives actor i the GPUs i*G .. i*G+G-1 (CUDA_VISIBLE_DEVICES); without it every actor sees
+# every GPU (CPU engines). If one actor fails, all actors started here are stopped and the script exits non-zero.
 set -euo pipefail
-here="$(cd "$(dirname "$0")/.." && pwd)"
-learner="" config="" count=1 extra=()
+source "$(dirname "$0")/lib.sh"
+learner="" config="" count=1 gpus=0 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --learner) learner="$2"; shift 2 ;;
     --config) config="$2"; shift 2 ;;
     --count) count="$2"; shift 2 ;;
+    --gpus-per-actor) gpus="$2"; shift 2 ;;
     *) extra+=("$1"); shift ;;
   esac
 done
-[ -n "$learner" ] && [ -n "$config" ] || { echo "usage: $0 --learner tcp://HOST:PORT --config CONFIG [--count N]" >&2; exit 2; }
-if [ -x "$here/.venv/bin/fleetrl" ]; then bin="$here/.venv/bin/fleetrl"; else bin="fleetrl"; fi
+[ -n "$learner" ] && [ -n "$config" ] || { echo "usage: $0 --learner tcp://HOST:PORT --config CONFIG [--count N] [--gpus-per-actor G]" >&2; exit 2; }
+host="$(hostname)"
+actor_cmd() {  # sets `cmd` to actor $1's command line
+  cmd=("$py" -m deploy.cli actor --learner "$learner" --config "$config" --id "$host-a$1" "${extra[@]}")
+  if [ "$gpus" -gt 0 ]; then
+    cmd=(env CUDA_VISIBLE_DEVICES="$(seq -s, $(($1 * gpus)) $(($1 * gpus + gpus - 1)))" "${cmd[@]}")
+  fi
+}
+if dry; then
+  for i in $(seq 0 $((count - 1))); do actor_cmd "$i"; show "${cmd[@]}"; done
+  exit 0
+fi
 pids=()
 stop_all() { for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done; }
-trap 'stop_all; exit 130' INT TERM
+trap 'stop_all; exit 130' INT TERM HUP  # HUP: the ssh session of deploy/fleet.sh closed
 for i in $(seq 0 $((count - 1))); do
-  setsid "$bin" actor --learner "$learner" --config "$config" --id "$(hostname)-a$i" "${extra[@]}" &
+  actor_cmd "$i"
+  setsid "${cmd[@]}" &  # own process group: an actor owns vLLM's engine processes
   pids+=($!)
 done
 status=0

@@ -5,6 +5,8 @@
     fleetrl actor   --learner tcp://HOST:PORT --config FILE [--id NAME] [section.field=value ...]
     fleetrl demo    [--config FILE] [section.field=value ...]
     fleetrl plan    CONFIG [section.field=value ...]      placement, batch arithmetic, run length, memory; starts nothing
+    fleetrl ctl     --learner tcp://HOST:PORT set max_staleness K     change a running learner's setting
+    fleetrl status  --learner tcp://HOST:PORT [--once]                  live view of the learner and its actors
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("config", help="TOML file")
     for p in (p_learner, p_actor, p_demo, p_plan):
         p.add_argument("overrides", nargs="*", metavar="section.field=value")
+    _add_ops_commands(sub)
     args = parser.parse_args(argv)
+    if args.command in ("ctl", "status"):
+        return _run_ops(args)
 
     try:
         if args.command == "learner":
@@ -82,6 +87,35 @@ def _learner_config(args: argparse.Namespace) -> tuple[str, list[str]]:
     if latest_checkpoint(run_dir) is None:
         raise ConfigError(f"--resume {run_dir}: no complete checkpoint with training state in {run_dir / 'checkpoints'}")
     return config, [*args.overrides, f"run.dir={run_dir}"]
+
+
+def _add_ops_commands(sub) -> None:
+    """`fleetrl ctl` and `fleetrl status`: clients of a running learner's hub socket (no config file)."""
+    from protocol.messages import CONTROL_KEYS
+
+    p_ctl = sub.add_parser("ctl", help="change a setting of a running learner (e.g. set max_staleness 2)")
+    p_status = sub.add_parser("status", help="live table of a running learner and its actors")
+    for p in (p_ctl, p_status):
+        p.add_argument("--learner", required=True, help="hub address, tcp://HOST:PORT")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the learner's reply")
+    p_ctl.add_argument("action", choices=["set"])
+    p_ctl.add_argument("key", choices=CONTROL_KEYS)
+    p_ctl.add_argument("value", type=int)
+    p_status.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p_status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+
+
+def _run_ops(args) -> int:
+    if not args.learner.startswith("tcp://"):
+        print(f"fleetrl: --learner {args.learner!r}: expected tcp://HOST:PORT", file=sys.stderr)
+        return 2
+    if args.command == "ctl":
+        from deploy.ctl import run_ctl
+
+        return run_ctl(args.learner, args.action, args.key, args.value, args.timeout)
+    from deploy.status import run_status
+
+    return run_status(args.learner, args.once, args.interval, args.timeout)
 
 
 def _exec_torchrun(cfg, ranks: int, argv: list[str]) -> int:

@@ -4,23 +4,25 @@
 # One node: `fleetrl learner` starts cluster.learner_gpus_per_node ranks itself (torchrun).
 # Several nodes: run this on every learner node with the same MASTER_ADDR / MASTER_PORT and its NODE_RANK:
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 deploy/learner.sh configs/orz_32b_ppo.toml
-# (cluster.learner_nodes and cluster.learner_gpus_per_node in the config must match.)
+# (cluster.learner_nodes and cluster.learner_gpus_per_node in the config must match.) Under srun, NODE_RANK
+# defaults to SLURM_NODEID (deploy/slurm/fleet.sbatch).
 #
 # Rank 0 (node 0) hosts the hub on hub.bind (use tcp://0.0.0.0:PORT for remote actors) and the weight-group
 # rendezvous on weights.host:weights.port; open both ports to the actor nodes only.
 set -euo pipefail
-here="$(cd "$(dirname "$0")/.." && pwd)"
+source "$(dirname "$0")/lib.sh"
 [ $# -ge 1 ] || { echo "usage: $0 CONFIG [section.field=value ...]" >&2; exit 2; }
 config="$1"; shift
-if [ -x "$here/.venv/bin/python" ]; then py="$here/.venv/bin/python"; else py="python3"; fi
 nnodes="${NNODES:-1}"
 if [ "$nnodes" -le 1 ]; then
-  exec "$py" -m deploy.cli learner --config "$config" "$@"
+  cmd=("$py" -m deploy.cli learner --config "$config" "$@")
+else
+  NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-}}"
+  : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}" "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"
+  nproc="${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
+  [ "$nproc" -ge 1 ] || { echo "$0: set NPROC_PER_NODE (no GPUs found)" >&2; exit 2; }
+  cmd=("$py" -m torch.distributed.run --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$nproc"
+       --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" -m deploy.cli learner --config "$config" "$@")
 fi
-: "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}" "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"
-nproc="${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
-[ "$nproc" -ge 1 ] || { echo "$0: set NPROC_PER_NODE (no GPUs found)" >&2; exit 2; }
-cd "$here"
-exec "$py" -m torch.distributed.run --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$nproc" \
-  --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" \
-  -m deploy.cli learner --config "$config" "$@"
+if dry; then show "${cmd[@]}"; exit 0; fi
+exec "${cmd[@]}"

@@ -34,24 +34,27 @@ from safetensors import SafetensorError
 
 from protocol.config import CheckpointConfig
 from protocol.logs import get_logger
+from protocol.progress import phase
 
 Writer = Callable[[Path], None]  # writes one complete checkpoint into an empty folder
 
 WRITE_ERRORS = (OSError, SafetensorError)
 
 
-def hf_writer(model, tokenizer, state_dict: Callable[[], dict[str, torch.Tensor]] | None = None) -> Writer:
+def hf_writer(model, tokenizer, state_dict: Callable[[], dict[str, torch.Tensor] | None] | None = None) -> Writer:
     """model.save_pretrained + tokenizer.save_pretrained: loadable by transformers and vLLM.
 
     `state_dict()` supplies the full weights when `model` does not hold them (ZeRO-3 keeps only
-    a shard per rank; the learner passes its last weight snapshot). None: the model's own.
+    a shard per rank; the learner passes its last weight snapshot). None, or a call returning
+    None: the model's own.
     """
 
     def write(path: Path) -> None:
-        if state_dict is None:
+        weights = state_dict() if state_dict is not None else None
+        if weights is None:
             model.save_pretrained(path, safe_serialization=True)
         else:
-            model.save_pretrained(path, state_dict=state_dict(), safe_serialization=True)
+            model.save_pretrained(path, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(path)
 
     return write
@@ -125,18 +128,18 @@ class CheckpointManager:
         final = self.dir / f"step-{version}"
         tmp = staging_dir(self.dir.parent, version)
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            self.write(tmp)
-            _fsync_tree(tmp)
-            tmp.rename(final)
-            _fsync_dir(self.dir)
+            with phase(self.log, "checkpoint.save", path=str(final), step=version):  # begin / still / done lines
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                self.write(tmp)
+                _fsync_tree(tmp)
+                tmp.rename(final)
+                _fsync_dir(self.dir)
         except WRITE_ERRORS as e:
             self.failed += 1
             shutil.rmtree(tmp, ignore_errors=True)
             self.log.error("checkpoint.save_failed", path=str(final), error=f"{type(e).__name__}: {e}", failed=self.failed)
             return None
-        self.log.info("checkpoint.saved", path=str(final), step=version)
         return final
 
     def _score(self, version: int, value: float, path: Path) -> None:

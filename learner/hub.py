@@ -23,12 +23,14 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvloop
 import zmq
 import zmq.asyncio
 
+from learner import control
 from learner import staleness as st
 from learner.data import PromptSet
 from learner.evaluation import EvalRound
@@ -48,6 +50,7 @@ class ActorState:
     held: set[Key] = field(default_factory=set)
     groups: int = 0  # groups accepted from it
     joined_at: float = 0.0
+    arrivals: deque[float] = field(default_factory=deque)  # accept times, last control.RATE_WINDOW_S (samples/s)
 
 
 @dataclass(slots=True)
@@ -60,7 +63,7 @@ class Accepted:
 
 
 class Hub:
-    def __init__(self, cfg: Config, prompts: PromptSet):
+    def __init__(self, cfg: Config, prompts: PromptSet, control_file: Path | None = None):
         self.cfg = cfg
         self.prompts = prompts
         self.log = get_logger()
@@ -76,6 +79,12 @@ class Hub:
         self.counters: Counter[str] = Counter()
         self.membership = 0  # bumped when an actor registers (again) or is removed: the weight group must re-form
         self.stopping = False
+        # Operations (learner/control.py): `fleetrl ctl`, `fleetrl status`, RUN_DIR/control.toml.
+        self.started = time.monotonic()
+        self.batch_max_staleness = self.max_staleness  # the k the current update's batch was checked with
+        self.recent_staleness: deque[int] = deque(maxlen=control.RECENT_GROUPS)  # (u + S - 1) - v of taken groups
+        self.times = control.UpdateTimes()
+        self.control_file = control.ControlFile(control_file) if control_file is not None else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._ready = threading.Event()
@@ -123,6 +132,11 @@ class Hub:
                     batch = sorted(self.buffer, key=lambda i: i.group.version_min)[:n]
                     taken = {id(i) for i in batch}
                     self.buffer = deque(i for i in self.buffer if id(i) not in taken)
+                    # A top-up take (learner/intake.py) joins an update already being assembled: its groups
+                    # passed an earlier take's k, so the update's bound is the largest k of its takes.
+                    k = self.max_staleness
+                    self.batch_max_staleness = max(self.batch_max_staleness, k) if self.training else k
+                    self.recent_staleness.extend(self.version + self.steps - 1 - i.group.version_min for i in batch)
                     self.training = True
                     return batch
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -168,13 +182,28 @@ class Hub:
             self.eval_round = None
         return rnd
 
-    def set_max_staleness(self, k: int) -> None:
+    def set_max_staleness(self, k: int, source: str = "api") -> int:
+        """Takes effect for admission at once and for every batch taken after it (learner/control.py); returns the old k."""
         if k < self.steps - 1:
             raise ValueError(f"max_staleness: {k} < {self.steps} optimizer steps per update - 1; even fresh samples would break it")
         with self.cond:
             old, self.max_staleness = self.max_staleness, k
-        self.log.info("hub.max_staleness_changed", old=old, new=k)
+            version = self.version
+        self.log.info("hub.max_staleness_changed", old=old, new=k, version=version, source=source)
         self._kick()
+        return old
+
+    def note_update(self, step_s: float, sync_started: float, sync_s: float, broadcast_s: float | None) -> None:
+        """The training thread's timings of the update it just finished, for `fleetrl status`.
+
+        `sync_started` is time.monotonic() at the start of the weight sync; `broadcast_s` the duration
+        of the last finished broadcast, None when the sync reported none.
+        """
+        with self.cond:
+            t = self.times
+            t.updates, t.step_s, t.syncs, t.sync_started, t.sync_s = t.updates + 1, step_s, t.syncs + 1, sync_started, sync_s
+            if broadcast_s is not None:
+                t.broadcast_s = broadcast_s
 
     def live_actors(self) -> list[str]:
         with self.cond:
@@ -185,8 +214,9 @@ class Hub:
         with self.cond:
             return sorted(self.actors), self.membership
 
-    def behind(self, version: int) -> list[str]:
-        """Live actors that do not serve `version`: newcomers, and actors back from a lost learner (served -1)."""
+    def lagging_actors(self, version: int) -> list[str]:
+        """Live actors serving a version older than `version` (newcomers, and actors back from a lost learner,
+        which serve -1): they get no grants until they catch up."""
         with self.cond:
             return sorted(a for a, s in self.actors.items() if s.served_version < version)
 
@@ -338,6 +368,7 @@ class Hub:
     async def _on_rollout(self, identity: bytes, msg: m.RolloutGroup) -> None:
         key = (msg.epoch, msg.prompt_id)
         n, expected = msg.lengths.shape[0], self.cfg.rollout.samples_per_prompt
+        first_s = None
         with self.cond:
             state = self._known(msg.actor_id, identity)
             ahead = msg.version_min > self.version  # weights this learner never had (a lost learner's)
@@ -347,7 +378,10 @@ class Hub:
                 state.held.discard(key)
                 if self.ledger.receive(key):
                     state.groups += 1
+                    if state.groups == 1:
+                        first_s = time.monotonic() - state.joined_at
                     item = Accepted(key, msg, time.monotonic())
+                    control.note_arrival(state, item.arrived)
                     if st.admissible(self.version, msg.version_min, self.max_staleness, self.steps):
                         self.buffer.append(item)
                         self.cond.notify_all()
@@ -355,6 +389,10 @@ class Hub:
                         self._drop_stale(item)
             elif state is not None:
                 self.counters["bad_group_size"] += 1
+        if state is not None and n == expected:
+            self.log.debug("hub.group_received", actor=msg.actor_id, key=key, version=msg.version_min)
+        if first_s is not None:  # since (re-)registration: how long a joining actor takes to contribute
+            self.log.info("hub.actor_first_group", actor=msg.actor_id, after_s=round(first_s, 2), version=msg.version_min)
         if state is None:
             await self._unknown(identity, msg.actor_id)
         elif ahead:
@@ -381,6 +419,13 @@ class Hub:
             await self._send(identity, m.Error(code="rejected", detail=why))
         await self._pump()
 
+    # ---- operations (learner/control.py): one request, one reply; the client is not an actor ----
+    async def _on_control(self, identity: bytes, msg: m.ControlRequest) -> None:
+        await self._send(identity, control.apply(self, msg.key, msg.value, source="fleetrl ctl"))
+
+    async def _on_status(self, identity: bytes, msg: m.StatusRequest) -> None:
+        await self._send(identity, control.status_reply(self))
+
     _handlers: dict[type, Callable[[Hub, bytes, Any], Awaitable[None]]] = {
         m.Register: _on_register,
         m.Heartbeat: _on_heartbeat,
@@ -388,6 +433,8 @@ class Hub:
         m.RolloutGroup: _on_rollout,
         m.EvalResult: _on_eval_result,
         m.WeightVersion: _on_weight_version,
+        m.ControlRequest: _on_control,
+        m.StatusRequest: _on_status,
     }
 
     def _trusted(self, served_version: int) -> int:
@@ -410,6 +457,7 @@ class Hub:
     async def _pump(self) -> None:
         """Grant prompts to actors with demand, as far as admission control allows."""
         sends: list[tuple[bytes, m.WorkGrant]] = []
+        granted: list[tuple[str, int, int]] = []  # (actor, epoch, prompt id)
         with self.cond:
             evals = self._eval_grants()  # sent first: the learner is waiting on them
             capacity = st.admission_capacity(self.version, self.training, self.max_staleness, self.cfg.train.prompts_per_step, self._outstanding(), self.steps)
@@ -425,6 +473,7 @@ class Hub:
                         break
                     self.ledger.grant(key, actor_id, deadline)
                     state.held.add(key)
+                    granted.append((actor_id, *key))
                     state.demand -= 1
                     capacity -= 1
                     prompt = self.prompts[key[1]]
@@ -432,6 +481,8 @@ class Hub:
                         prompt_id=key[1], epoch=key[0], prompt_tokens=prompt.tokens, answer=prompt.answer,
                         policy_version=min_version, lease_s=self.cfg.staleness.lease_s)))
             self.counters["granted"] += len(sends)
+        if granted:  # debug: lets an operator (and the multi-host test) follow which actor holds which prompt
+            self.log.debug("hub.granted", grants=granted)
         for identity, grant in [*evals, *sends]:
             await self._send(identity, grant)
 
@@ -451,10 +502,10 @@ class Hub:
         self.membership += 1
         if self.eval_round is not None:
             self.eval_round.release_actor(actor_id)
-        for key in list(state.held):
-            if self.ledger.entries[key].actor == actor_id:
-                self.ledger.requeue(key, "dead")
-        self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(state.held))
+        requeued = [key for key in state.held if self.ledger.entries[key].actor == actor_id]
+        for key in requeued:
+            self.ledger.requeue(key, "dead")
+        self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(requeued), keys=sorted(requeued))
 
     async def _housekeeping(self) -> None:
         """Expire leases and declare silent actors dead, once a second."""
@@ -473,6 +524,8 @@ class Hub:
                         state.held.discard(key)
             if expired:
                 self.log.warning("hub.leases_expired", count=len(expired))
+            if self.control_file is not None:
+                self.control_file.poll(self)
             await self._pump()
 
     async def _shutdown_actors(self, reason: str) -> None:
@@ -498,5 +551,5 @@ class Hub:
         if k != self.max_staleness:
             self.log.info("hub.max_staleness_restored", config=self.max_staleness, checkpoint=k)
         with self.cond:
-            self.ledger, self.version, self.max_staleness = ledger, version, k
+            self.ledger, self.version, self.max_staleness, self.batch_max_staleness = ledger, version, k, k
             self.counters = Counter(state["counters"])

@@ -20,16 +20,15 @@ MAX_FILTERED_BATCHES = 4
 
 
 def wait_for_batch(hub: Hub, n: int, stop: dict, log, report_s: float = 30.0,
-                   on_idle: Callable[[], object] | None = None) -> list[Accepted] | None:
-    """take_batch, but wakes up every second to honour SIGTERM, run `on_idle` (the weight resync) and say what
-    it waits for. None when stopping."""
+                   on_idle: Callable[[], None] = lambda: None) -> list[Accepted] | None:
+    """take_batch, but wakes up to honour SIGTERM, to run `on_idle` (learner/resync.py) and to say what it
+    waits for. None when stopping."""
     waited = 0.0
     while not stop["flag"]:
         try:
             return hub.take_batch(n, timeout_s=1.0)
         except TimeoutError:
-            if on_idle is not None:
-                on_idle()
+            on_idle()
             waited += 1.0
             if waited % report_s == 0:
                 snap = hub.snapshot()
@@ -38,7 +37,7 @@ def wait_for_batch(hub: Hub, n: int, stop: dict, log, report_s: float = 30.0,
 
 
 def take_update_batch(hub: Hub, cfg: Config, stop: dict, log,
-                      on_idle: Callable[[], object] | None = None) -> tuple[list[Accepted], list[Accepted]] | None:
+                      on_idle: Callable[[], None] = lambda: None) -> tuple[list[Accepted], list[Accepted]] | None:
     """(groups to train on, groups consumed by the filter); None when stopping (taken groups go back)."""
     import numpy as np
     import torch

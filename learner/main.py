@@ -5,10 +5,10 @@
     every rank:  update (S optimizer steps, DeepSpeed)  ->  weight snapshot (collective under ZeRO-3)
     rank 0:  version += S -> ledger: trained; grants resume -> broadcast weights to the actors
              -> every eval.every_steps: the actors evaluate this version (learner/evaluation.py)
-             -> every checkpoint.every_steps: Hugging Face checkpoint of the snapshot (learner/checkpoint.py)
+             -> every checkpoint.every_steps: Hugging Face checkpoint (learner/checkpoint.py)
                 plus the training state; every rank saves its DeepSpeed shard (learner/resume.py)
              -> metrics
-    while waiting for rollouts: actors that do not serve the current version get the held snapshot
+    while waiting for rollouts: actors that lag behind the current version get it again (learner/resync.py)
 
 `--resume`: every rank loads the newest complete checkpoint's engines; rank 0 restores the hub
 (ledger, version, counters) and the metrics rows before any actor can register.
@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import time
@@ -45,6 +44,7 @@ from learner.resume import (
     save_engines,
     write_learner_state,
 )
+from learner.resync import Resync
 from learner.shard import Share, scatter_shares
 from learner.trainer import StepLayout, Trainer, make_shares
 from learner.weight_sync import WeightSender
@@ -106,14 +106,17 @@ def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
     # SIGKILLs the ranks 30 s after the SIGTERM in any case.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     buckets = wg.plan_buckets(trainer.full_shapes(), wg.DTYPES[cfg.model.dtype].itemsize, cfg.weights.bucket_mb << 20)
-    trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)  # rank 0 primes its weight sender at start
+    sharded = cfg.train.zero_stage == 3  # rank 0's weight snapshot gathers every bucket: join it
+    if sharded:
+        trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)  # rank 0 primes its weight sender at start
     updates = 0
     while True:
         share = scatter_shares(topo, None)
         if not share.stop:
             trainer.update(share)
             set_context(policy_version=share.version + trainer.layout.steps)
-            trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)
+            if sharded:
+                trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)
             updates += 1
         if share.save_step:  # rank 0 writes the same checkpoint now (it decided before the update)
             save_engines(trainer, staging_dir(Path(cfg.run.dir), share.save_step) / STATE_DIR)
@@ -126,7 +129,7 @@ def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
 def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, total_updates: int, run_dir: Path, log,
               checkpoint: Path | None) -> int:
     prompts = data.train
-    hub = Hub(cfg, prompts)
+    hub = Hub(cfg, prompts, control_file=run_dir / "control.toml")  # operator's live settings (learner/control.py)
     version, updates = 0, 0
     kept_rows: list[dict] = []
     last_row: dict = {}  # the newest metrics row, kept in the checkpoint's learner state
@@ -141,13 +144,26 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                  max_staleness=hub.max_staleness)
     hub.start()
     names = [n for n, _ in trainer.named_parameters()]
-    sender = WeightSender(cfg.weights, names, trainer.full_shapes(), cfg.model.dtype)
-    # Collective under ZeRO-3 (the followers join it at start): the weights any late or returning actor gets.
-    sender.prime(lambda out: trainer.snapshot(sender.buckets, sender.torch_dtype, out))
+    sharded = cfg.train.zero_stage == 3
+    # ZeRO <= 2: rank 0 holds every parameter, so the broadcast reads them in place and the next optimizer step
+    # waits for it (guard). ZeRO-3: each sync gathers the buckets on every rank into rank 0's snapshot.
+    sender = WeightSender(cfg.weights, names, trainer.full_shapes(), cfg.model.dtype,
+                          params=None if sharded else [p for _, p in trainer.named_parameters()])
+    if not sharded:
+        sender.guard(trainer.engine.optimizer)
+    snapshot = (lambda out: trainer.snapshot(sender.ranges, sender.torch_dtype, out)) if sharded else None
+    if snapshot is not None:
+        # Collective (the followers join it at start): the weights a re-send gives a late or returning actor
+        # before the first update (a resumed learner's actors all come back serving -1).
+        sender.prime(snapshot)
     metrics = MetricsWriter(run_dir)
     metrics.rows.extend(kept_rows)  # the plot covers the whole run
     evaluator = Evaluator(cfg, data.eval_sets(), hub)
-    # Checkpoints are written from the weight snapshot rank 0 already holds: full weights even under ZeRO-3.
+    # A resumed learner's actors come back serving -1 and get no work until they serve `version`: send it at
+    # once (no broadcast of this learner can be in flight), not after the patience.
+    resync = Resync(sender=sender, hub=hub, patience_s=cfg.weights.timeout_s + 1.0, version=version,
+                    last_sync=time.monotonic() - cfg.weights.timeout_s - 1.0)
+    # Checkpoints: from the model on rank 0, or under ZeRO-3 from the weight snapshot rank 0 already holds.
     hf = hf_writer(trainer.engine.module, tokenizer, sender.state_dict)
 
     def write_checkpoint(path: Path) -> None:
@@ -178,12 +194,12 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     try:
         while updates < total_updates and not stop["flag"]:
             t0 = time.perf_counter()
-            taken = take_update_batch(hub, cfg, stop, log, on_idle=functools.partial(sender.resync, version, hub))
+            taken = take_update_batch(hub, cfg, stop, log, on_idle=resync)
             if taken is None:
                 break
             batch, filtered = taken
             t_wait = time.perf_counter() - t0
-            k = hub.max_staleness
+            k = hub.batch_max_staleness  # not hub.max_staleness: `fleetrl ctl` may have changed it since the take
             groups = [item.group for item in batch]
             # Decided before the update so that every rank saves after the same one (Share.save_step).
             save_step = updates + 1 if checkpoints.wants(updates + 1, last=updates + 1 >= total_updates) else 0
@@ -200,8 +216,12 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
             updates += 1
             set_context(policy_version=version)
             hub.finish_update(version, [item.key for item in batch + filtered])
-            sync = sender.sync(version, hub, lambda out: trainer.snapshot(sender.buckets, sender.torch_dtype, out))
+            t_sync = time.monotonic()
+            sync = sender.sync(version, hub, snapshot)
+            resync.synced(version)
+            sync["weights/resyncs"] = float(resync.count)
             step_s = time.perf_counter() - t0
+            hub.note_update(step_s, t_sync, sync["time/weight_sync"], sync.get("time/broadcast"))
             last = updates >= total_updates
             # Blocks until the actors answer (time/eval, not in time/step); no newer weights go out meanwhile,
             # so `version` is what they serve.

@@ -1,6 +1,8 @@
-"""Metrics: one JSON object per learner step in `metrics.jsonl`, and the reward-curve plot.
+"""Metrics: one JSON object per learner step in `metrics.jsonl`, TensorBoard scalars, the reward-curve plot.
 
 Only learner rank 0 writes. Keys are flat; namespaced ones use `group/name`.
+TensorBoard (RUN_DIR/tensorboard): every finite numeric value of a row becomes a scalar
+at step = row["step"]; strings, None and NaN are left out (NaN would break its charts).
 """
 
 from __future__ import annotations
@@ -12,18 +14,26 @@ from pathlib import Path
 
 class MetricsWriter:
     def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
         self.path = run_dir / "metrics.jsonl"
         self.plot_path = run_dir / "reward_curve.png"
         self.file = self.path.open("a", buffering=1)
         self.rows: list[dict] = []
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), flush_secs=10)
 
     def write(self, row: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self.file.write(json.dumps(clean) + "\n")
         self.rows.append(clean)
+        step = int(row["step"])
+        for key, value in clean.items():
+            if key != "step" and isinstance(value, int | float):  # bool is an int: flags chart as 0/1
+                self.tb.add_scalar(key, float(value), global_step=step)
 
     def close(self) -> None:
         self.file.close()
+        self.tb.close()
 
     def plot(self) -> Path | None:
         if not self.rows:

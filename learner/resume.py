@@ -14,11 +14,11 @@ with a barrier, so when rank 0 renames the folder every rank's files are in it. 
 complete: resume takes the newest step-N with state/learner.json; an interrupted write left only a
 .tmp-step-N-part folder, which is removed at the next start.
 
-Resume, on every rank: load the engines (weights, optimizer, scheduler), take a weight snapshot.
-Rank 0 also restores the hub (ledger, counters, version) before any actor can register, cuts
-metrics.jsonl back to rows 1..N (rows of updates after the checkpoint are retrained), and sends
-the restored weights to every actor that registers (WeightSender.resync): no actor generates until
-it serves them.
+Resume, on every rank: load the engines (weights, optimizer, scheduler); under ZeRO-3 join the
+start-of-run weight snapshot. Rank 0 also restores the hub (ledger, counters, version) before any
+actor can register, cuts metrics.jsonl back to rows 1..N (rows of updates after the checkpoint are
+retrained), and re-sends the restored weights to every actor that registers (learner/resync.py):
+no actor generates until it serves them.
 
 Limits: the learner ranks and ZeRO stage must be those of the checkpoint (DeepSpeed shards the
 optimizer per rank). With several ranks a write error inside DeepSpeed's save stops the learner

@@ -46,6 +46,18 @@ def actor_socket(ctx: zmq.asyncio.Context, connect: str, hwm: int, max_frame_byt
     return sock
 
 
+def client_socket(ctx: zmq.Context, connect: str, max_frame_bytes: int = 16 << 20) -> zmq.Socket:
+    """An operator's one-shot client (`fleetrl ctl`, `fleetrl status`): a blocking DEALER to the hub.
+
+    The only place such a socket is made, so authentication keys can be added here.
+    No reconnect backoff: the caller waits a bounded time for its reply and gives up.
+    """
+    sock = ctx.socket(zmq.DEALER)
+    _bound(sock, 16, max_frame_bytes)
+    sock.connect(connect)
+    return sock
+
+
 async def send(sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None) -> None:
     frames: list[Any] = encode(msg)
     if identity is not None:

@@ -8,7 +8,8 @@ old one.
 
 Parameters travel as flat buckets of at most `bucket_bytes`, one broadcast per
 bucket: a round trip per parameter is what makes naive syncs slow. Both sides
-derive the same bucket layout from (names, shapes, dtype) with `plan_buckets`.
+derive the same bucket layout from (names, shapes, dtype) with `plan_buckets`. Rank 0's
+side of a bucket (which memory it is sent from) is learner/weight_buckets.py.
 
 Failure mode: a collective with a dead member blocks until `timeout` and then
 raises; the caller must treat the whole group as broken and form a new epoch.
@@ -97,22 +98,6 @@ def landing_numel(shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int
     """Elements of the one buffer a receiver needs: the largest bucket (a tensor above bucket_bytes is its own)."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
     return max(bucket_numels(shapes, plan_buckets(shapes, itemsize, bucket_bytes)), default=0)
-
-
-def flatten_buckets(
-    tensors: list[torch.Tensor], buckets: list[range], dtype: torch.dtype, out: list[torch.Tensor] | None = None
-) -> list[torch.Tensor]:
-    """Rank 0: one flat copy per bucket (also the snapshot the optimizer cannot change under a broadcast).
-
-    Pass the previous result as `out` to reuse its memory: fresh buffers cost a page fault per
-    4 KiB on first touch, which measured as much as the transfer itself on loopback.
-    """
-    if out is None:
-        out = [torch.empty(n, dtype=dtype) for n in bucket_numels([list(t.shape) for t in tensors], buckets)]
-    with torch.no_grad():
-        for flat, bucket in zip(out, buckets, strict=True):
-            torch.cat([tensors[i].detach().reshape(-1).to(dtype) for i in bucket], out=flat)
-    return out
 
 
 def receive_buckets(

@@ -37,6 +37,7 @@ def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
     assert mismatches and max(mismatches) < 1e-4, mismatches  # on-policy samples: engine == learner
     assert rows[-1]["ledger/trained"] == steps * prompts
     assert rows[-1]["weights/members"] == 1  # the actor was in the weight group at every sync
+    assert all("time/weight_guard_wait" in r for r in rows)  # guarded: broadcast from ZeRO's flat parameters in place
     assert (run_dir / "config.toml").exists() and (run_dir / "reward_curve.png").exists()
     learner_log = [json.loads(x) for x in (run_dir / "logs" / "learner.jsonl").read_text().splitlines()]
     assert all("role" in e and "policy_version" in e for e in learner_log)
@@ -71,7 +72,7 @@ def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
         out = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         right += tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == answer
-    assert right / len(val) == scores[6], (right, scores)
+    assert right / len(val) == pytest.approx(scores[6], abs=1e-6), (right, scores)  # the metric travels as float32
 
 
 def test_two_learner_ranks_zero3_with_mini_batches(tmp_path, tiny_model_dir):

@@ -65,7 +65,7 @@ def test_ppo_critic_kl_entropy_decoupled_two_ranks_match_one(tiny_model_dir, tmp
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-6)
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
     for a, b in zip(one["extras"], two["extras"], strict=True):
-        assert set(a) == {"loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac"}
+        assert {"loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac"} <= set(a)
         assert b == pytest.approx(a, rel=1e-4, abs=1e-7)
     assert all(e["loss/value"] > 0 for e in one["extras"])  # the critic trains (tests/test_critic.py shows it learns)
     kls = [e["loss/kl"] for e in one["extras"]]

@@ -141,7 +141,7 @@ def test_restored_hub_admits_only_actors_serving_its_weights():
         assert rejoined > members  # a rejoin: its worker left the weight group
         assert isinstance(ask(m.Register(actor_id="a0", host="h", pid=1, served_version=-1)), m.RegisterAck)
         assert hub.members()[1] == rejoined  # a retry of the same rejoin
-        assert hub.behind(4) == ["a0"]
+        assert hub.lagging_actors(4) == ["a0"]
     finally:
         sock.close(linger=0)
         ctx.term()
@@ -376,7 +376,7 @@ def test_learner_stopped_and_resumed_while_the_actor_keeps_running(tmp_path, tin
     assert "actor.waiting_for_learner" in names[lost_at:] and "actor.registered" in names[lost_at:]
     # Its worker left the dead learner's weight group, so it joined the new one at once: reusing the old group
     # (the new learner numbers its epochs from 1 again) fails the sync and stalls until weights.timeout_s.
-    assert "actor.weight_sync_failed" not in names[names.index("actor.registered", lost_at):]
+    assert "actor.weights_failed" not in names[names.index("actor.registered", lost_at):]
     assert not any(e["event"] == "actor.task_failed" for e in events)
     learner_events = _events(logs / "learner.jsonl")
     resumed = [e for e in learner_events if e["event"] == "learner.resumed"]

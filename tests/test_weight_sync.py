@@ -14,7 +14,6 @@ import torch
 
 from learner.batch import Sample, make_micro_batch, token_logprobs
 from learner.weight_sync import WeightSender
-from protocol import weights as wg
 from protocol.config import load_config
 
 pytestmark = pytest.mark.engine
@@ -26,9 +25,6 @@ class DirectHub:
     def __init__(self, members):
         self.names = members
         self.sent = []
-
-    def live_actors(self):
-        return self.names
 
     def members(self):
         return self.names, 0  # and the membership count, which never changes here
@@ -80,9 +76,7 @@ async def _make_engine(cls, cfg):
     return cls(cfg)
 
 
-def _sync(cfg, engine, sender, hub, version, loop, model):
-    params = [p for _, p in model.named_parameters()]
-    snapshot = lambda out: wg.flatten_buckets(params, sender.buckets, sender.torch_dtype, out)  # noqa: E731
+def _sync(cfg, engine, sender, hub, version, loop, snapshot=None):
     sender.sync(version, hub, snapshot)  # sends WeightSync and returns; the broadcast runs in the background
     msg = hub.sent.pop()
     info = loop.run_until_complete(engine.apply_weights(msg))
@@ -103,11 +97,10 @@ def test_logprobs_match_after_sync(setup):
     stale = max_mismatch(engine, model, prompt, cfg.rollout.temperature)
     assert stale > 0.1, "the perturbation must be visible before the sync, or the test proves nothing"
 
-    names, shapes = zip(*[(n, list(p.shape)) for n, p in model.named_parameters()], strict=True)
-    sender = WeightSender(cfg.weights, list(names), list(shapes), "float32")
+    sender = WeightSender.for_params(cfg.weights, list(model.named_parameters()), "float32")
     assert len(sender.buckets) > 1  # weights.bucket_mb=1: this model spans several buckets
     hub = DirectHub(["engine"])
-    msg, info = _sync(cfg, engine, sender, hub, 1, loop, model)
+    msg, info = _sync(cfg, engine, sender, hub, 1, loop)
     assert msg.group_epoch == 1 and info["repacked"] > 0
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4
 
@@ -116,6 +109,31 @@ def test_logprobs_match_after_sync(setup):
         for p in model.parameters():
             p.mul_(0.9)
     hub.names = ["engine-renamed"]
-    msg, _ = _sync(cfg, engine, sender, hub, 2, loop, model)
+    # ZeRO-3's path: no parameters held here; each sync is handed a snapshot of the buckets (Trainer.snapshot).
+    params = [p for _, p in model.named_parameters()]
+    shards = WeightSender(cfg.weights, sender.names, sender.shapes, "float32")
+    shards.store, shards.port = sender.store, sender.port  # one learner has one rendezvous and one epoch count
+    shards.epoch = sender.epoch
+    snapshot = lambda out: [torch.cat([params[i].detach().reshape(-1) for i in r]) for r in shards.ranges]  # noqa: E731
+    msg, _ = _sync(cfg, engine, shards, hub, 2, loop, snapshot)
     assert msg.group_epoch == 2
+    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4
+    sender.epoch = shards.epoch  # back to the first sender: the next epoch is 3 (an epoch number is never reused)
+
+    # The learner's path: parameters as views of one flat buffer (DeepSpeed ZeRO-1/2's layout) and a
+    # guarded sender, which broadcasts from that memory in place instead of copying it.
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.data = flat.narrow(0, offset, p.numel()).view(p.shape)
+        offset += p.numel()
+    assert all(sender.buckets.live(i) is not None for i in range(len(sender.buckets)))
+    opt = torch.optim.SGD(params, lr=0.05)
+    sender.guard(opt)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) > 0.01, "the step must be visible before the sync"
+    _sync(cfg, engine, sender, hub, 3, loop)
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4

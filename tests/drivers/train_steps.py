@@ -13,12 +13,12 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.synthetic import synthetic_groups  # noqa: E402
 from learner.distributed import init_distributed, make_topology  # noqa: E402
 from learner.plan import make_plan  # noqa: E402
 from learner.shard import scatter_shares  # noqa: E402
@@ -29,18 +29,8 @@ from protocol.messages import RolloutGroup  # noqa: E402
 
 
 def groups_for(update: int, version: int, cfg) -> list[RolloutGroup]:
-    rng = np.random.default_rng(1000 + update)
-    n, out = cfg.rollout.samples_per_prompt, []
-    for g in range(cfg.train.prompts_per_step):
-        lengths = rng.integers(1, 5, size=n).astype(np.int32)
-        total = int(lengths.sum())
-        out.append(RolloutGroup(
-            actor_id="driver", prompt_id=g, epoch=update, prompt_tokens=rng.integers(3, 20, size=4).astype(np.int32),
-            lengths=lengths, completion_tokens=rng.integers(3, 20, size=total).astype(np.int32),
-            behaviour_logprobs=(-2.5 - 0.1 * rng.random(total)).astype(np.float32),
-            rewards=rng.integers(0, 2, size=n).astype(np.float32), finish_reasons=["stop"] * n,
-            version_min=version, version_max=version, gen_s=0.1, reward_s=0.0))
-    return out
+    return synthetic_groups(groups=cfg.train.prompts_per_step, samples=cfg.rollout.samples_per_prompt, seed=1000 + update,
+                            version=version, prompt_len=4, completion=(1, 4), vocab=(3, 20), behaviour_logp=-2.5)
 
 
 def main() -> None:

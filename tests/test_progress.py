@@ -1,0 +1,41 @@
+"""Long phases (engine start, checkpoint save, weight broadcast) log begin, "still" while they last, and done."""
+
+import logging
+import math
+import time
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from protocol.progress import phase
+
+
+@pytest.fixture
+def debug_level():
+    """Let debug lines through even if an earlier in-process setup_logging filtered at INFO."""
+    old = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    yield
+    structlog.configure(wrapper_class=old)
+
+
+def test_long_phase_reports_progress(debug_level):
+    with capture_logs() as logs:
+        with phase(structlog.get_logger(), "checkpoint.save", every_s=0.1, path="/x"):
+            time.sleep(0.35)
+        with pytest.raises(OSError), phase(structlog.get_logger(), "checkpoint.save", every_s=5.0, path="/y"):
+            raise OSError("disk full")
+        with phase(structlog.get_logger(), "weights.broadcast", every_s=5.0, quiet=True):
+            pass
+    events = [(e["event"], e["log_level"]) for e in logs]
+    still = [e for e in logs if e["event"] == "checkpoint.save.still"]
+    assert events[0] == ("checkpoint.save.begin", "info") and 2 <= len(still) <= 4
+    assert [e["waited_s"] for e in still] == sorted(e["waited_s"] for e in still) and still[0]["path"] == "/x"
+    done = next(e for e in logs if e["event"] == "checkpoint.save.done")
+    assert done["duration_s"] >= 0.35 and math.isfinite(done["duration_s"])
+    failed = next(e for e in logs if e["event"] == "checkpoint.save.failed")
+    assert failed["path"] == "/y" and "disk full" in failed["error"]
+    # a quiet phase that was quick says so only at debug level
+    assert ("weights.broadcast.begin", "debug") in events and ("weights.broadcast.done", "debug") in events
+

@@ -111,9 +111,10 @@ class Fleet:
         return Tail(self.run_dir / "logs" / f"actor-{name}.jsonl")
 
     def stop(self, tmp_path: Path) -> None:
-        """SIGTERM the learner: it stops after its step and its hub tells the actors to shut down; all exit 0."""
-        self.procs["learner"].send_signal(signal.SIGTERM)
-        for name, p in self.procs.items():
+        """SIGTERM the learner: it stops after its step (a final checkpoint) and leaves its actors waiting for a
+        resumed learner (learner/resume.py), so they are SIGTERMed too; all exit 0."""
+        for name, p in self.procs.items():  # the learner first
+            p.send_signal(signal.SIGTERM)
             assert p.wait(timeout=120) == 0, f"{name} exited {p.returncode}: {(tmp_path / f'{name}.out').read_text()[-3000:]}"
 
 

@@ -39,6 +39,7 @@ from protocol import messages as m
 from protocol.config import Config
 from protocol.logs import Throttle, get_logger
 
+DRAIN = 256  # messages read per poll of the hub's socket
 MAX_DETAIL = 300  # characters of an error reply: a decode error may quote the peer's input, which may be huge
 
 
@@ -243,8 +244,14 @@ class Hub:
             while not self.stopping:
                 if not await self._sock.poll(200):
                     continue
-                frames = await self._sock.recv_multipart(copy=False)
-                await self._on_frames(frames)
+                # Read what is queued before polling again: one poll per burst, not per message (under a
+                # flood the poll's own overhead was most of the cost). Bounded, so stopping stays prompt.
+                for _ in range(DRAIN):
+                    try:
+                        frames = await self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    await self._on_frames(frames)
         finally:
             housekeeping.cancel()
             self._sock.close(linger=0)
@@ -285,7 +292,8 @@ class Hub:
 
     async def _reply(self, identity: bytes, msg: m.Message) -> None:
         """An answer (Error, RegisterAck) that never waits: a peer that sends without reading its replies
-        fills its queue (HWM), and waiting on it would stall every honest actor behind it. Dropped, counted."""
+        fills its queue (HWM); waiting for room would hold up the hub's loop, and every honest actor with it,
+        for up to `_send`'s 10 s. Dropped at the HWM and counted (hub/replies_dropped), never buffered."""
         assert self._sock is not None, "hub socket used before bind"
         try:
             await transport.send(self._sock, msg, identity, flags=zmq.NOBLOCK)

@@ -3,12 +3,17 @@
 One ROUTER socket on the hub, one DEALER per actor: a single connection carries
 both directions. Bounds, and how each fails:
 - SNDHWM/RCVHWM cap queued messages per peer. At the HWM a DEALER send waits
-  (backpressure); a ROUTER with ROUTER_MANDATORY waits too instead of dropping
-  silently, and raises EHOSTUNREACH for a peer that is gone.
+  (backpressure). A ROUTER with ROUTER_MANDATORY never drops silently: a send to a
+  peer whose queue is full fails with EAGAIN (pyzmq's asyncio socket first waits
+  until the socket next wakes, which on a quiet socket may be never: callers bound
+  the wait), and one to a peer that is gone with EHOSTUNREACH. Answers to peers that
+  may never read them go out with NOBLOCK and are dropped at the HWM (the hub's `_reply`).
 - MAXMSGSIZE is a hard memory cap: a peer sending a larger frame is disconnected by
   libzmq. Below it, `codec.decode` rejects frames over `max_frame_bytes` with an error reply.
 - Receiving never drops: a peer whose messages fill RCVHWM is simply no longer read
-  (TCP backpressure), so the hub buffers at most HWM messages per connection.
+  (TCP backpressure), so the hub holds at most HWM messages per connection. libzmq caps
+  each frame (MAXMSGSIZE) but not the frames in one message (it delivers a multipart
+  message whole): an authorised key holder could still make the hub hold one huge one.
 
 CURVE (protocol/auth.py): with keys, the hub is a CURVE server and asks the ZAP handler
 (learner/gatekeeper.py) about every client key; ZAP_ENFORCE_DOMAIN makes a missing handler

@@ -10,6 +10,7 @@ import os
 import socket
 import stat
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -28,6 +29,8 @@ from protocol.auth import ClientKeys
 from protocol.codec import decode, encode
 from protocol.config import ConfigError, load_config
 from protocol.net import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def curve_config(keys, port, *extra):
@@ -289,3 +292,28 @@ def test_a_refused_client_learns_it_is_refused(tmp_path):
         assert asyncio.run(verdict(good)) is None  # admitted: nothing to report
     finally:
         hub.stop()
+
+
+def test_weight_group_rendezvous_listens_only_on_the_given_address():
+    """Learner side of a real 2-member group (store + gloo): every socket it opens to listen is on 127.0.0.1."""
+    import subprocess
+    import sys
+
+    import torch
+
+    before = _socket_inodes()
+    store = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=120)
+    member = subprocess.Popen([sys.executable, "-c", (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); from protocol import weights as wg; "
+        "s = wg.open_store('127.0.0.1', int(sys.argv[2]), False, 120); g = wg.open_group(s, '127.0.0.1', 1, 1, 2, 120); "
+        "t = torch.zeros(4); wg.broadcast(g, t); assert t.tolist() == [1.0] * 4"), str(ROOT), str(store.port)],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        group = wg.open_group(store, "127.0.0.1", 1, 0, 2, 120)
+        wg.broadcast(group, torch.ones(4))
+        listening = _listening(_socket_inodes() - before)
+    finally:
+        _, err = member.communicate(timeout=120)
+    assert member.returncode == 0, err[-2000:]
+    # The store's socket and gloo's, both on 127.0.0.1 (0100007F) and nowhere else.
+    assert len(listening) >= 2 and {addr for addr, _ in listening} == {"0100007F"}, listening

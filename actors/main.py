@@ -40,8 +40,8 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from actors.rewards import load_reward_fn
+from protocol import auth, transport
 from protocol import messages as m
-from protocol import transport
 from protocol.config import Config, parse_cpus
 from protocol.logs import set_context, setup_logging
 from protocol.net import pin_cpus
@@ -54,6 +54,7 @@ class Actor:
         self.learner = learner
         self.actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.reward_fn = load_reward_fn(cfg.rollout.reward_fn)
+        self.keys = auth.client_keys(cfg, learner)  # CURVE keys, or None on loopback (a bad key file fails here)
         self.served_version = 0  # the weights in model.path are the learner's version 0
         self.version_changed = asyncio.Condition()
         self.sync_lock = asyncio.Lock()
@@ -78,11 +79,13 @@ class Actor:
         with phase(self.log, "actor.engine_start", model=self.cfg.model.path):  # blocks the loop; the ticker is a thread
             self.engine = Engine(self.cfg)
         ctx = zmq.asyncio.Context()
-        self.sock = transport.actor_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes)
+        self.sock = transport.client_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self.keys)
         try:
             self._spawn(self._receive())
             self._spawn(self._heartbeat())
             self._spawn(self._watch_connection())
+            if self.keys is not None:
+                self._spawn(self._watch_key())
             await self.stop.wait()
         finally:
             for task in self.tasks:
@@ -93,6 +96,14 @@ class Actor:
             self.engine.shutdown()
             self.log.info("actor.stopped", exit_code=self.exit_code)
         return self.exit_code
+
+    async def _watch_key(self) -> None:
+        """A refused key is final (libzmq does not retry it): say so and exit non-zero instead of waiting forever."""
+        status = await transport.refused(self.sock)
+        self.log.error("actor.key_refused", learner=self.learner, status=status, key=self.cfg.auth.client_key,
+                       hint="add its public key to the learner's auth.authorized folder (fleetrl keys), then restart this actor")
+        self.exit_code = 1
+        self.stop.set()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -155,7 +166,9 @@ class Actor:
             try:
                 await asyncio.wait_for(self.registered.wait(), timeout=backoff)
             except TimeoutError:
-                self.log.warning("actor.waiting_for_learner", learner=self.learner, retry_s=backoff)
+                # With CURVE a refused key looks the same as a learner that is down: say so.
+                self.log.warning("actor.waiting_for_learner", learner=self.learner, retry_s=backoff, curve=self.keys is not None,
+                                 **({"hint": "if the learner is up, it does not admit auth.client_key"} if self.keys else {}))
                 backoff = min(backoff * 2, 30.0)
                 await self._register()
                 continue

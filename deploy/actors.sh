@@ -36,9 +36,5 @@ for i in $(seq 0 $((count - 1))); do
   pids+=($!)
 done
 status=0
-while [ ${#pids[@]} -gt 0 ]; do
-  if ! wait -n; then status=1; break; fi
-  alive=(); for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive+=("$p"); done; pids=("${alive[@]}")
-done
-if [ $status -ne 0 ]; then echo "actors.sh: an actor failed; stopping the others" >&2; stop_all; fi
+wait_all actors.sh "${pids[@]}" || status=1
 exit $status

@@ -7,6 +7,7 @@
     fleetrl plan    CONFIG [section.field=value ...]      placement, batch arithmetic, run length, memory; starts nothing
     fleetrl ctl     --learner tcp://HOST:PORT set max_staleness K     change a running learner's setting
     fleetrl status  --learner tcp://HOST:PORT [--once]                  live view of the learner and its actors
+    fleetrl keys    --out DIR [--client NAME ...]          CURVE keys: the learner's pair, one pair per client
 """
 
 from __future__ import annotations
@@ -34,12 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--config", default=None, help="TOML file (default: the built-in demo settings)")
     p_plan = sub.add_parser("plan", help="print the run's plan (placement, batch arithmetic, run length, memory)")
     p_plan.add_argument("config", help="TOML file")
+    p_keys = sub.add_parser("keys", help="generate CURVE keys: the learner's key pair and one key pair per client")
+    p_keys.add_argument("--out", required=True, help="key folder (created; an existing server key is kept)")
+    p_keys.add_argument("--client", action="append", default=[], metavar="NAME",
+                        help="a client key pair to add (repeat; default: one named 'actors' when DIR is new)")
     for p in (p_learner, p_actor, p_demo, p_plan):
         p.add_argument("overrides", nargs="*", metavar="section.field=value")
     _add_ops_commands(sub)
     args = parser.parse_args(argv)
     if args.command in ("ctl", "status"):
         return _run_ops(args)
+    if args.command == "keys":
+        return _keys(args.out, args.client)
 
     try:
         if args.command == "learner":
@@ -50,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
             print(render(make_plan(cfg)), end="")
             return 0
+        from protocol import auth
+
+        # Key files are checked before anything starts: a missing or world-readable key is a config error.
+        if args.command == "learner" and os.environ.get("RANK", "0") == "0":
+            auth.server_keys(cfg)
+        if args.command == "actor":
+            auth.client_keys(cfg, args.learner)
     except ConfigError as e:
         print(f"fleetrl: config error: {e}", file=sys.stderr)
         return 2
@@ -116,6 +130,29 @@ def _run_ops(args) -> int:
     from deploy.status import run_status
 
     return run_status(args.learner, args.once, args.interval, args.timeout)
+
+
+def _keys(out: str, clients: list[str]) -> int:
+    from pathlib import Path
+
+    from protocol import auth
+
+    folder = Path(out)
+    if not clients and (folder / "server.key_secret").exists():
+        print(f"fleetrl keys: {folder} has a server key already; name the clients to add with --client NAME", file=sys.stderr)
+        return 2
+    try:
+        written = auth.generate(folder, clients or ["actors"])
+    except ValueError as e:
+        print(f"fleetrl keys: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    print(f"learner: auth.server_secret={folder / 'server.key_secret'} auth.authorized={folder / 'authorized'}\n"
+          f"clients: auth.server_key={folder / 'server.key'} auth.client_key={folder / 'clients'}/NAME.key_secret\n"
+          "Copy server.key and one clients/NAME.key_secret to each client node; keep the secrets mode 0600. "
+          "A running learner admits a key added to authorized/ within a second; delete the file to revoke it.")
+    return 0
 
 
 def _exec_torchrun(cfg, ranks: int, argv: list[str]) -> int:

@@ -24,7 +24,7 @@ class NoReply(RuntimeError):
 def request(addr: str, msg: m.Message, timeout_s: float = 5.0) -> m.Message:
     """Send one request to the hub at `addr` and return its validated reply (an Error reply included)."""
     ctx = zmq.Context()
-    sock = transport.client_socket(ctx, addr)
+    sock = transport.ops_socket(ctx, addr)
     try:
         sock.send_multipart(encode(msg), copy=False)
         # ZeroMQ connects lazily and queues the request, so a missing learner shows up only as silence.

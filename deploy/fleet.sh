@@ -53,9 +53,6 @@ for h in "${host_list[@]}"; do
   pids+=($!)
 done
 status=0
-while [ ${#pids[@]} -gt 0 ]; do
-  if ! wait -n; then status=1; break; fi
-  alive=(); for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive+=("$p"); done; pids=("${alive[@]}")
-done
-if [ $status -ne 0 ]; then echo "fleet.sh: a host's actors failed; stopping the others" >&2; stop_all; wait; fi
+wait_all fleet.sh "${pids[@]}" || status=1
+wait
 exit $status

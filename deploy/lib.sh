@@ -16,3 +16,14 @@ show() {  # print a command line, shell-quoted
   printf -v line '%q ' "$@"
   printf '%s\n' "${line% }"
 }
+
+wait_all() {  # wait_all NAME PID...: wait for every PID; if one fails, stop_all (the caller's) and return 1
+  local name="$1"; shift
+  local pids=("$@") status=0 alive p
+  while [ ${#pids[@]} -gt 0 ]; do
+    if ! wait -n; then status=1; break; fi
+    alive=(); for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive+=("$p"); done; pids=("${alive[@]}")
+  done
+  if [ $status -ne 0 ]; then echo "$name: one failed; stopping the others" >&2; stop_all; fi
+  return $status
+}

@@ -34,11 +34,15 @@ from learner import control
 from learner import staleness as st
 from learner.data import PromptSet
 from learner.evaluation import EvalRound
+from learner.gatekeeper import Gatekeeper
 from learner.ledger import Key, Ledger
+from protocol import auth, transport
 from protocol import messages as m
-from protocol import transport
 from protocol.config import Config
-from protocol.logs import get_logger
+from protocol.logs import Throttle, get_logger
+
+DRAIN = 256  # messages read per poll of the hub's socket
+MAX_DETAIL = 300  # characters of an error reply: a decode error may quote the peer's input, which may be huge
 
 
 @dataclass(slots=True)
@@ -85,6 +89,10 @@ class Hub:
         self.recent_staleness: deque[int] = deque(maxlen=control.RECENT_GROUPS)  # (u + S - 1) - v of taken groups
         self.times = control.UpdateTimes()
         self.control_file = control.ControlFile(control_file) if control_file is not None else None
+        # CURVE keys (None: off, loopback only); a missing or bad key file fails here, before anything starts.
+        self._keys = auth.server_keys(cfg)
+        self._gate: Gatekeeper | None = None
+        self._throttles: dict[str, Throttle] = {name: Throttle(1.0) for name in ("bad_message", "send_failed")}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._ready = threading.Event()
@@ -238,6 +246,8 @@ class Hub:
             out = {f"hub/{k}": float(v) for k, v in self.counters.items()}
             out.update({f"ledger/{k}": float(v) for k, v in self.ledger.counts.items()})
             out.update({f"ledger/{k}": float(v) for k, v in self.ledger.state_counts().items()})
+            if self._gate is not None:
+                out.update({f"hub/{k}": float(v) for k, v in self._gate.counts.items()})
             out["hub/actors"] = float(len(self.actors))
             out["hub/buffered"] = float(len(self.buffer))
             out["staleness/max_staleness"] = float(self.max_staleness)
@@ -259,40 +269,56 @@ class Hub:
 
     async def _serve(self) -> None:
         ctx = zmq.asyncio.Context()
+        if self._keys is not None:
+            self._gate = Gatekeeper(ctx, self._keys)  # the ZAP handler must exist before the socket binds
         try:
-            self._sock = transport.hub_socket(ctx, self.cfg.hub.bind, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes)
+            self._sock = transport.hub_socket(ctx, self.cfg.hub.bind, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self._keys)
         except zmq.ZMQError as e:
             self._start_error = RuntimeError(f"hub.bind {self.cfg.hub.bind}: {e}")
             self._ready.set()
+            if self._gate is not None:
+                self._gate.stop()
             ctx.term()
             return
-        self.log.info("hub.listening", bind=self.cfg.hub.bind)
+        self.log.info("hub.listening", bind=self.cfg.hub.bind, curve=self._keys is not None)
         self._ready.set()
         housekeeping = asyncio.ensure_future(self._housekeeping())
         try:
             while not self.stopping:
                 if not await self._sock.poll(200):
                     continue
-                frames = await self._sock.recv_multipart(copy=False)
-                await self._on_frames(frames)
+                # Read what is queued before polling again: one poll per burst, not per message (under a
+                # flood the poll's own overhead was most of the cost). Bounded, so stopping stays prompt.
+                for _ in range(DRAIN):
+                    try:
+                        frames = await self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    await self._on_frames(frames)
         finally:
             housekeeping.cancel()
             self._sock.close(linger=0)
+            if self._gate is not None:
+                self._gate.stop()
             ctx.term()
 
     async def _on_frames(self, frames: list) -> None:
         identity, body = frames[0].bytes, frames[1:]
+        if self._gate is not None and not (body and self._gate.admits(body[0])):
+            return  # its key was revoked after it connected: dropped unanswered (counted by the gate)
         try:
             msg = transport.decode_frames(body, self.cfg.hub.max_frame_bytes)
         except m.ProtocolError as e:
             self.counters["protocol_errors"] += 1
-            self.log.warning("hub.bad_message", error=str(e))
-            await self._send(identity, m.Error(code="protocol", detail=str(e)))
+            detail = str(e)[:MAX_DETAIL]
+            if (suppressed := self._throttles["bad_message"].ready()) is not None:
+                self.log.warning("hub.bad_message", error=detail, suppressed=suppressed)
+            await self._reply(identity, m.Error(code="protocol", detail=detail))
             return
         handler = self._handlers.get(type(msg))
         if handler is None:
             self.counters["protocol_errors"] += 1
-            await self._send(identity, m.Error(code="protocol", detail=f"{type(msg).__name__} is not for the hub"))
+            await self._reply(identity, m.Error(code="protocol", detail=f"{type(msg).__name__} is not for the hub"))
             return
         await handler(self, identity, msg)
 
@@ -303,8 +329,19 @@ class Hub:
             return True
         except (zmq.ZMQError, TimeoutError) as e:  # EHOSTUNREACH: the peer is gone
             self.counters["send_failures"] += 1
-            self.log.warning("hub.send_failed", msg=type(msg).__name__, error=str(e))
+            if (suppressed := self._throttles["send_failed"].ready()) is not None:
+                self.log.warning("hub.send_failed", msg=type(msg).__name__, error=str(e), suppressed=suppressed)
             return False
+
+    async def _reply(self, identity: bytes, msg: m.Message) -> None:
+        """An answer (Error, RegisterAck) that never waits: a peer that sends without reading its replies
+        fills its queue (HWM); waiting for room would hold up the hub's loop, and every honest actor with it,
+        for up to `_send`'s 10 s. Dropped at the HWM and counted (hub/replies_dropped), never buffered."""
+        assert self._sock is not None, "hub socket used before bind"
+        try:
+            await transport.send(self._sock, msg, identity, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # EAGAIN: its queue is full; EHOSTUNREACH: it is gone
+            self.counters["replies_dropped"] += 1
 
     def _known(self, actor_id: str, identity: bytes) -> ActorState | None:
         state = self.actors.get(actor_id)
@@ -325,17 +362,22 @@ class Hub:
             else:
                 if old is not None:  # same id, new connection (the old one is gone), or a rejoin
                     self._release(msg.actor_id, "replaced by a new connection" if old.identity != identity else "rejoined (served -1)")
+                # One actor per connection: a peer cycling through ids cannot grow the registry (or the weight
+                # group, whose every member must answer) without bound.
+                for other in [a for a, s in self.actors.items() if s.identity == identity]:
+                    self._release(other, f"its connection registered again as {msg.actor_id!r}")
+                    self.counters["reregistered"] += 1
                 now = time.monotonic()
                 self.actors[msg.actor_id] = ActorState(identity, now, self._trusted(msg.served_version), joined_at=now)
                 self.membership += 1
             version = self.version
         if not repeat:
             self.log.info("hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version)
-        await self._send(identity, m.RegisterAck(actor_id=msg.actor_id, policy_version=version, heartbeat_s=self.cfg.hub.heartbeat_s))
+        await self._reply(identity, m.RegisterAck(actor_id=msg.actor_id, policy_version=version, heartbeat_s=self.cfg.hub.heartbeat_s))
 
     async def _unknown(self, identity: bytes, actor_id: str) -> None:
         self.counters["unknown_actor"] += 1
-        await self._send(identity, m.Error(code="unknown_actor", detail=f"actor {actor_id!r} is not registered; register again"))
+        await self._reply(identity, m.Error(code="unknown_actor", detail=f"actor {actor_id!r} is not registered; register again"[:MAX_DETAIL]))
 
     async def _served(self, identity: bytes, actor_id: str, served_version: int) -> bool:
         """Record the version an actor serves (max: a heartbeat sent before a sync may arrive after it)."""
@@ -396,9 +438,9 @@ class Hub:
         if state is None:
             await self._unknown(identity, msg.actor_id)
         elif ahead:
-            await self._send(identity, m.Error(code="rejected", detail=f"group of version {msg.version_min} is newer than the learner's {self.version}"))
+            await self._reply(identity, m.Error(code="rejected", detail=f"group of version {msg.version_min} is newer than the learner's {self.version}"))
         elif n != expected:
-            await self._send(identity, m.Error(code="rejected", detail=f"group has {n} samples, expected {expected}"))
+            await self._reply(identity, m.Error(code="rejected", detail=f"group has {n} samples, expected {expected}"))
         await self._pump()
 
     async def _on_eval_result(self, identity: bytes, msg: m.EvalResult) -> None:
@@ -416,7 +458,7 @@ class Hub:
             await self._unknown(identity, msg.actor_id)
         elif why is not None:
             self.log.warning("hub.eval_result_rejected", actor=msg.actor_id, why=why)
-            await self._send(identity, m.Error(code="rejected", detail=why))
+            await self._reply(identity, m.Error(code="rejected", detail=why[:MAX_DETAIL]))
         await self._pump()
 
     # ---- operations (learner/control.py): one request, one reply; the client is not an actor ----
@@ -508,9 +550,11 @@ class Hub:
         self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(requeued), keys=sorted(requeued))
 
     async def _housekeeping(self) -> None:
-        """Expire leases and declare silent actors dead, once a second."""
+        """Expire leases and declare silent actors dead, once a second; re-read the CURVE allow-list if it changed."""
         while True:
             await asyncio.sleep(1.0)
+            if self._gate is not None:
+                self._gate.reload()
             now = time.monotonic()
             with self.cond:
                 for actor_id in [a for a, s in self.actors.items() if now - s.last_seen > self.cfg.hub.actor_timeout_s]:

@@ -17,7 +17,7 @@ The off-policy correction is one small unit per `[algo] correction`, chosen once
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -71,13 +71,10 @@ class TruncatedIS:
 
     def __call__(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
                  prox_logp: torch.Tensor | None = None) -> Surrogate:
-        ratio = torch.exp(logp - behaviour_logp)
-        surr = clipped_surrogate(ratio, adv, self.clip_low, self.clip_high)
+        s = NoCorrection(clip_low=self.clip_low, clip_high=self.clip_high)(logp, behaviour_logp, adv)
         bound = self.cap * adv
-        truncated = (adv < 0) & (surr < bound)
-        return Surrogate(surr=torch.where(truncated, bound, surr), ratio=ratio.detach(),
-                         clipped=_outside(ratio.detach(), self.clip_low, self.clip_high),
-                         truncated=truncated.detach(), weight=None)
+        truncated = (adv < 0) & (s.surr < bound)
+        return replace(s, surr=torch.where(truncated, bound, s.surr), truncated=truncated.detach())
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
+
+from protocol.net import is_loopback
 
 
 class ConfigError(ValueError):
@@ -142,6 +145,17 @@ class WeightsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AuthConfig:
+    """ZeroMQ CURVE on the hub's socket and its clients (protocol/auth.py; `fleetrl keys` writes the files)."""
+
+    curve: str = "auto"  # auto: on unless hub.bind is loopback | on | off (refused for a non-loopback hub.bind)
+    server_key: str = ""  # the learner's public key file (KEYS/server.key); every client needs it
+    server_secret: str = ""  # the learner's key pair file (KEYS/server.key_secret, mode 0600); the learner only
+    client_key: str = ""  # this client's key pair file (KEYS/clients/NAME.key_secret, mode 0600): actors, ctl, status
+    authorized: str = ""  # folder of client public keys (*.key) the hub admits; re-read when it changes
+
+
+@dataclass(kw_only=True, slots=True)
 class ActorConfig:
     kvcache_gib: int = 1  # vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
     max_model_len: int = 64  # engine context length
@@ -173,6 +187,7 @@ class Config:
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
 
@@ -292,11 +307,27 @@ def _check(cfg: Config) -> None:
     need(cfg.hub.bind.startswith("tcp://"), "hub.bind", "must be tcp://HOST:PORT")
     need(cfg.hub.hwm >= 1, "hub.hwm", "must be >= 1")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
+    _check_auth(cfg, need)
     need(cfg.actor.max_model_len > cfg.rollout.max_tokens, "actor.max_model_len", "must exceed rollout.max_tokens")
     need(cfg.actor.max_groups >= 1, "actor.max_groups", "must be >= 1")
     need(cfg.demo.num_actors >= 1, "demo.num_actors", "must be >= 1")
     need(cfg.demo.warmstart_steps >= 0, "demo.warmstart_steps", "must be >= 0")
     need(0 <= cfg.demo.warmstart_smoothing < 1, "demo.warmstart_smoothing", "must be in [0, 1)")
+
+
+def _check_auth(cfg: Config, need: Callable[[bool, str, str], None]) -> None:
+    """CURVE is on by default off loopback; only the keys' presence is checked here (files: protocol/auth.py)."""
+    a = cfg.auth
+    need(a.curve in ("auto", "on", "off"), "auth.curve", f"{a.curve!r} must be auto, on or off")
+    loopback = is_loopback(cfg.hub.bind)
+    need(a.curve != "off" or loopback, "auth.curve",
+         f"off is refused for hub.bind {cfg.hub.bind} (not loopback): anyone who reaches it could take prompts "
+         "and submit samples; run `fleetrl keys --out keys` and set the auth.* key files")
+    if a.curve == "on" or not loopback:
+        need(any((a.server_key, a.server_secret, a.client_key, a.authorized)), "auth",
+             f"CURVE is on (auth.curve = {a.curve}, hub.bind {cfg.hub.bind}) but no key is set: run "
+             "`fleetrl keys --out keys`, then set auth.server_secret and auth.authorized on the learner, "
+             "auth.server_key and auth.client_key on actors and other clients")
 
 
 def parse_cpus(spec: str, name: str) -> set[int]:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +63,22 @@ def setup_logging(role: str, log_file: Path | None = None, level: int = logging.
 
 def get_logger():
     return structlog.get_logger()
+
+
+class Throttle:
+    """At most one log line per `period_s` for a noisy event: a flood of bad input must not become a flood of
+    log lines (each costs a JSON encode and a write on the thread that should be serving honest peers)."""
+
+    def __init__(self, period_s: float = 1.0):
+        self.period_s = period_s
+        self._last = float("-inf")
+        self._suppressed = 0
+
+    def ready(self) -> int | None:
+        """None: stay quiet. Else log now, and report the returned count of lines suppressed since the last."""
+        now = time.monotonic()
+        if now - self._last < self.period_s:
+            self._suppressed += 1
+            return None
+        suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        return suppressed

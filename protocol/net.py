@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
@@ -23,3 +24,20 @@ def pin_cpus(cpus: set[int]) -> None:
     """Restrict this process (and the processes it starts later) to `cpus`; empty = leave as is."""
     if cpus:
         os.sched_setaffinity(0, cpus)
+
+
+def host_of(address: str) -> str:
+    """'tcp://HOST:PORT' -> HOST (IPv6 brackets removed)."""
+    host = address.removeprefix("tcp://").rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback(address: str) -> bool:
+    """True only for a tcp:// address on a loopback IP or `localhost`; wildcards and other names are not."""
+    host = host_of(address)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname or a wildcard ("*"): it may be reachable from elsewhere
+        return False

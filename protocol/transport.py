@@ -3,10 +3,22 @@
 One ROUTER socket on the hub, one DEALER per actor: a single connection carries
 both directions. Bounds, and how each fails:
 - SNDHWM/RCVHWM cap queued messages per peer. At the HWM a DEALER send waits
-  (backpressure); a ROUTER with ROUTER_MANDATORY waits too instead of dropping
-  silently, and raises EHOSTUNREACH for a peer that is gone.
+  (backpressure). A ROUTER with ROUTER_MANDATORY never drops silently: a send to a
+  peer whose queue is full fails with EAGAIN (pyzmq's asyncio socket first waits
+  until the socket next wakes, which on a quiet socket may be never: callers bound
+  the wait), and one to a peer that is gone with EHOSTUNREACH. Answers to peers that
+  may never read them go out with NOBLOCK and are dropped at the HWM (the hub's `_reply`).
 - MAXMSGSIZE is a hard memory cap: a peer sending a larger frame is disconnected by
   libzmq. Below it, `codec.decode` rejects frames over `max_frame_bytes` with an error reply.
+- Receiving never drops: a peer whose messages fill RCVHWM is simply no longer read
+  (TCP backpressure), so the hub holds at most HWM messages per connection. libzmq caps
+  each frame (MAXMSGSIZE) but not the frames in one message (it delivers a multipart
+  message whole): an authorised key holder could still make the hub hold one huge one.
+
+CURVE (protocol/auth.py): with keys, the hub is a CURVE server and asks the ZAP handler
+(learner/gatekeeper.py) about every client key; ZAP_ENFORCE_DOMAIN makes a missing handler
+refuse everyone instead of admitting everyone. A refused client's handshake fails, so not
+one of its messages reaches the hub, and nothing is ever sent to it.
 """
 
 from __future__ import annotations
@@ -15,11 +27,14 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from protocol.auth import ClientKeys, ServerKeys
 from protocol.codec import decode, encode
 from protocol.messages import Message
 
 HARD_FRAME_FACTOR = 4  # libzmq drops the connection above this multiple of max_frame_bytes
+ZAP_DOMAIN = b"fleetrl"  # the ZAP domain the hub's socket authenticates in
 
 
 def _bound(sock: zmq.Socket, hwm: int, max_frame_bytes: int) -> None:
@@ -29,40 +44,71 @@ def _bound(sock: zmq.Socket, hwm: int, max_frame_bytes: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_FACTOR * max_frame_bytes)
 
 
-def hub_socket(ctx: zmq.asyncio.Context, bind: str, hwm: int, max_frame_bytes: int) -> zmq.asyncio.Socket:
+def hub_socket(
+    ctx: zmq.asyncio.Context, bind: str, hwm: int, max_frame_bytes: int, keys: ServerKeys | None = None
+) -> zmq.asyncio.Socket:
+    """The hub's ROUTER; with `keys` a CURVE server (start the ZAP handler on `ctx` before this)."""
     sock = ctx.socket(zmq.ROUTER)
     _bound(sock, hwm, max_frame_bytes)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if keys is not None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     sock.bind(bind)
     return sock
 
 
-def actor_socket(ctx: zmq.asyncio.Context, connect: str, hwm: int, max_frame_bytes: int) -> zmq.asyncio.Socket:
-    sock = ctx.socket(zmq.DEALER)
+def client_socket(
+    ctx: zmq.asyncio.Context, connect: str, hwm: int, max_frame_bytes: int, keys: ClientKeys | None = None,
+    kind: int = zmq.DEALER,
+) -> zmq.asyncio.Socket:
+    """Every socket that dials the hub (actor, ctl, status) is made here; `keys` from `auth.client_keys`."""
+    sock = ctx.socket(kind)
     _bound(sock, hwm, max_frame_bytes)
     sock.setsockopt(zmq.RECONNECT_IVL, 200)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # exponential backoff while the learner is away
+    if keys is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.connect(connect)
     return sock
 
 
-def client_socket(ctx: zmq.Context, connect: str, max_frame_bytes: int = 16 << 20) -> zmq.Socket:
+def ops_socket(ctx: zmq.Context, connect: str, max_frame_bytes: int = 16 << 20, keys: ClientKeys | None = None) -> zmq.Socket:
     """An operator's one-shot client (`fleetrl ctl`, `fleetrl status`): a blocking DEALER to the hub.
 
-    The only place such a socket is made, so authentication keys can be added here.
-    No reconnect backoff: the caller waits a bounded time for its reply and gives up.
+    The caller waits a bounded time for its reply and gives up (a refused key looks like silence).
     """
-    sock = ctx.socket(zmq.DEALER)
-    _bound(sock, 16, max_frame_bytes)
-    sock.connect(connect)
-    return sock
+    return client_socket(ctx, connect, 16, max_frame_bytes, keys)  # type: ignore[arg-type, return-value]  # any context
 
 
-async def send(sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None) -> None:
+actor_socket = client_socket  # the name existing callers use
+
+
+async def refused(sock: zmq.asyncio.Socket) -> int:
+    """Wait until the hub refuses this client's CURVE key; returns the ZAP status (400).
+
+    libzmq does not reconnect after a refused handshake: the socket is dead from then on, and a
+    client that kept waiting on it would hang in silence. Run this beside the client and stop on it.
+    """
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        event = parse_monitor_message(await monitor.recv_multipart())
+        return int(event["value"])
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+
+
+async def send(sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None, flags: int = 0) -> None:
+    """`flags=zmq.NOBLOCK`: raise zmq.Again at the peer's HWM instead of waiting."""
     frames: list[Any] = encode(msg)
     if identity is not None:
         frames = [identity, *frames]
-    await sock.send_multipart(frames, copy=False)
+    await sock.send_multipart(frames, flags=flags, copy=False)
 
 
 def decode_frames(frames: list[Any], max_frame_bytes: int) -> Message:

@@ -18,6 +18,7 @@ raises; the caller must treat the whole group as broken and form a new epoch.
 from __future__ import annotations
 
 import math
+import socket
 import typing
 from collections.abc import Iterator
 from datetime import timedelta
@@ -55,10 +56,24 @@ def split_bucket(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tens
 
 
 def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """Rank 0 hosts the store (port 0: pick a free one; read it back from `.port`)."""
-    return dist.TCPStore(
-        host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-    )
+    """Rank 0 hosts the store on `host` only (port 0: pick a free one; read it back from `.port`).
+
+    TCPStore's own server listens on every interface whatever `host` says (checked with
+    `ss -ltn` on torch 2.13: `*:PORT`). It has no authentication, so rank 0 binds the
+    listening socket itself and hands it over (`master_listen_fd`; the store owns it then).
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    listener = listen_socket(host, port)
+    bound = listener.getsockname()[1]
+    return dist.TCPStore(host, bound, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host`'s address only (IPv4 or IPv6, as `host` resolves)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return socket.create_server(addr[:2], family=family, backlog=1024)
 
 
 def open_group(

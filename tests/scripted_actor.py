@@ -22,16 +22,18 @@ import zmq.asyncio
 
 from protocol import messages as m
 from protocol import transport
+from protocol.auth import ClientKeys
 
 
 class ScriptedActor:
     def __init__(self, addr: str, actor_id: str, n: int, delay_s: float, seed: int, lie_every: int = 0, lie_by: int = 0,
                  heartbeat_s: float = 0.0, eval_reward: Callable[[str, int], float] = lambda split, pid: 1.0,
-                 die_on_eval: bool = False):
+                 die_on_eval: bool = False, keys: ClientKeys | None = None):
         self.addr, self.actor_id, self.n, self.delay_s = addr, actor_id, n, delay_s
         self.rng = random.Random(seed)
         self.lie_every, self.lie_by = lie_every, lie_by
         self.heartbeat_s, self.eval_reward, self.die_on_eval = heartbeat_s, eval_reward, die_on_eval
+        self.keys = keys  # CURVE client keys (protocol.auth.client_keys), None for a plain socket
         self.eval_grants: list[m.EvalGrant] = []  # every eval grant received
         self.eval_answered = 0
         self.served = 0
@@ -46,7 +48,7 @@ class ScriptedActor:
 
     async def _main(self):
         ctx = zmq.asyncio.Context()
-        sock = transport.actor_socket(ctx, self.addr, 64, 1 << 20)
+        sock = transport.client_socket(ctx, self.addr, 64, 1 << 20, self.keys)
         await transport.send(sock, m.Register(actor_id=self.actor_id, host="test", pid=0, served_version=0))
         tasks = set()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from protocol import auth
 from protocol.config import dump_toml, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +55,8 @@ def env_prefix(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 @pytest.fixture
 def config(tmp_path) -> Path:
     path = tmp_path / "run.toml"
-    path.write_text(dump_toml(load_config(None, [f"run.dir={tmp_path / 'run'}", *CLUSTER])))
+    keys = auth.key_overrides(tmp_path / "keys")  # the hub binds a cluster address: CURVE is required
+    path.write_text(dump_toml(load_config(None, [f"run.dir={tmp_path / 'run'}", *CLUSTER, *keys])))
     return path
 
 

@@ -25,14 +25,13 @@ from pathlib import Path
 import pytest
 from netns import Host, netns  # noqa: F401  (netns: the fixture)
 
+from protocol import auth
 from protocol.config import dump_toml, load_config
 
 pytestmark = pytest.mark.engine
 ROOT = str(Path(__file__).resolve().parent.parent)
 PORT = 5555  # each namespace has its own ports: no clash with anything on this machine
 K, PROMPTS = 1, 8
-# Where CURVE keys go once hub authentication is required for non-loopback binds (one place).
-AUTH_OVERRIDES: list[str] = []
 
 
 class Tail:
@@ -127,7 +126,8 @@ def start_fleet(netns, tiny_model_dir, tmp_path: Path, actors: list[str]) -> Fle
         f"run.dir={run_dir}", f"model.path={tiny_model_dir}", f"hub.bind={hub}", f"weights.host={learner.addr}",
         "train.total_steps=100000", f"train.prompts_per_step={PROMPTS}", "rollout.samples_per_prompt=4",
         "train.micro_batch_samples=32", f"staleness.max_staleness={K}", "hub.heartbeat_s=0.5", "hub.actor_timeout_s=3",
-        "staleness.lease_s=8", "weights.timeout_s=5", "actor.max_groups=4", *AUTH_OVERRIDES])
+        "staleness.lease_s=8", "weights.timeout_s=5", "actor.max_groups=4",
+        *auth.key_overrides(tmp_path / "keys")])  # CURVE: required off loopback
     config = tmp_path / "config.toml"
     config.write_text(dump_toml(cfg))  # one file for the learner and every actor, as on a real cluster
     cli = [sys.executable, "-m", "deploy.cli"]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -85,14 +87,24 @@ class Engine:
                 finish_reason=c.finish_reason or "length", text=c.text))
         return completions
 
-    async def apply_weights(self, sync: WeightSync) -> dict[str, float]:
-        """Pause between engine steps (in-flight requests are kept), receive and load, resume."""
+    async def apply_weights(self, sync: WeightSync) -> dict[str, Any]:
+        """Pause between engine steps (in-flight requests are kept), receive and load, resume.
+
+        `paused_s` is the generation stall: pause to resume. A failed sync (`error` in the result,
+        actors/weight_receiver.py) that loaded some buckets leaves the engine holding parts of two
+        versions: it stays paused, and the next complete sync resumes it (pausing again is harmless).
+        """
         fields = {f.name: getattr(sync, f.name) for f in dataclasses.fields(sync)}
+        t0 = time.perf_counter()
         await self.llm.pause_generation(mode="keep", clear_cache=False)
+        torn = False
         try:
             (result,) = await self.llm.collective_rpc("fleetrl_receive", args=(fields,), timeout=sync.timeout_s + 30)
+            torn = "error" in result and result["buckets_loaded"] > 0
         finally:
-            await self.llm.resume_generation()
+            if not torn:
+                await self.llm.resume_generation()
+        result["paused_s"] = time.perf_counter() - t0
         return result
 
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@
     eval task:      EvalGrant -> generate with its sampling (greedy or sampled) -> score -> EvalResult
                     (not counted in `held`: eval work never takes the place of training work)
     sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
+                    (a failed sync is logged and survived: the learner forms a new group epoch and sends again)
     heartbeat task: Heartbeat every hub.heartbeat_s; re-registers when the hub stops answering
 
 A sample's version_min is the version served when its generation started; the
@@ -47,6 +48,7 @@ class Actor:
         self.version_changed = asyncio.Condition()
         self.sync_lock = asyncio.Lock()
         self.held = 0
+        self.synced = 0  # weight syncs applied
         self.registered = asyncio.Event()
         self.stop = asyncio.Event()
         self.exit_code = 0
@@ -188,12 +190,22 @@ class Actor:
         async with self.sync_lock:
             t0 = time.perf_counter()
             result = await self.engine.apply_weights(sync)
+            if "error" in result:
+                # The learner gave the epoch up (a member died) or the group broke: it forms a new epoch and
+                # sends again. Until then we serve the old version, or nothing (paused) if some buckets loaded.
+                self.log.warning("actor.weights_failed", version=sync.policy_version, epoch=sync.group_epoch,
+                                 served=self.served_version, paused=result["buckets_loaded"] > 0, **result)
+                return
+            first = self.synced == 0
+            self.synced += 1
             async with self.version_changed:
                 self.served_version = sync.policy_version
                 self.version_changed.notify_all()
             set_context(policy_version=sync.policy_version)
             load_s = time.perf_counter() - t0
-            self.log.debug("actor.weights_loaded", version=sync.policy_version, epoch=sync.group_epoch, load_s=round(load_s, 4), **result)
+            # The first sync is the join (a late joiner's catch-up); later ones are routine, every update.
+            (self.log.info if first else self.log.debug)(
+                "actor.weights_loaded", version=sync.policy_version, epoch=sync.group_epoch, load_s=round(load_s, 4), **result)
             await self._send(m.WeightVersion(actor_id=self.actor_id, served_version=sync.policy_version, group_epoch=sync.group_epoch, load_s=load_s))
         await self._request_work()
 

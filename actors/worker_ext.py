@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from protocol import weights as wg
-from protocol.net import local_addr_towards
+from actors.weight_receiver import WeightReceiver
 
 _pack_linear: Callable[..., None] | None
 try:  # only the CPU build packs weights; on CUDA this patch is never reached.
@@ -41,38 +40,21 @@ class FleetWeightReceiver:
 
     model_runner: Any  # provided by the vLLM worker class this is mixed into
 
-    def fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, float]:
-        """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it."""
-        t0 = time.perf_counter()
-        group = self._fleetrl_group(sync)
-        t_join = time.perf_counter()
-        model = self.model_runner.get_model()
-        dtype = wg.DTYPES[sync["dtype"]]
-        need = wg.landing_numel(sync["shapes"], dtype, sync["bucket_bytes"])
-        buffer = getattr(self, "_fleetrl_buffer", None)
-        if buffer is None or buffer.dtype != dtype or buffer.numel() < need:
-            # One landing buffer kept across syncs (load_weights copies out of it): fresh memory
-            # page-faults on first touch, which costs about as much as the transfer.
-            buffer = self._fleetrl_buffer = torch.empty(need, dtype=dtype)
-        for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], dtype, sync["bucket_bytes"], buffer):
-            model.load_weights(pairs)
-        repacked = self._fleetrl_repack(model)
-        return {"join_s": t_join - t0, "recv_load_s": time.perf_counter() - t_join, "repacked": float(repacked)}
+    def fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, Any]:
+        """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it, repack.
 
-    def _fleetrl_group(self, sync: dict[str, Any]):
-        epoch = sync["group_epoch"]
-        if getattr(self, "_fleetrl_epoch", None) != epoch:
-            key = (sync["store_host"], sync["store_port"])
-            if getattr(self, "_fleetrl_store_key", None) != key:
-                self._fleetrl_store = wg.open_store(key[0], key[1], is_master=False, timeout_s=sync["timeout_s"])
-                self._fleetrl_store_key = key
-            bind = local_addr_towards(sync["store_host"], sync["store_port"])
-            self._fleetrl_pg = wg.open_group(
-                self._fleetrl_store, bind, epoch, sync["rank"], sync["world_size"], sync["timeout_s"],
-                backend="nccl" if torch.cuda.is_available() else "gloo",
-            )
-            self._fleetrl_epoch = epoch
-        return self._fleetrl_pg
+        A failure comes back as `error` (actors/weight_receiver.py), with `buckets_loaded`.
+        """
+        receiver = getattr(self, "_fleetrl_receiver", None)
+        if receiver is None:
+            receiver = self._fleetrl_receiver = WeightReceiver()
+        model = self.model_runner.get_model()
+        result = receiver.receive(sync, model.load_weights)
+        if "error" not in result:
+            t0 = time.perf_counter()
+            result["repacked"] = float(self._fleetrl_repack(model))
+            result["repack_s"] = time.perf_counter() - t0
+        return result
 
     @staticmethod
     def _fleetrl_repack(model: torch.nn.Module) -> int:

@@ -50,6 +50,7 @@ class ActorState:
     held: set[Key] = field(default_factory=set)
     groups: int = 0  # groups accepted from it
     joined_at: float = 0.0
+    first_version: int | None = None  # version_min of its first accepted group (a late joiner's must be current)
     arrivals: deque[float] = field(default_factory=deque)  # accept times, last control.RATE_WINDOW_S (samples/s)
 
 
@@ -84,6 +85,11 @@ class Hub:
         self.recent_staleness: deque[int] = deque(maxlen=control.RECENT_GROUPS)  # (u + S - 1) - v of taken groups
         self.times = control.UpdateTimes()
         self.control_file = control.ControlFile(control_file) if control_file is not None else None
+        # Elastic membership: who is told when an actor registers or is removed (the weight sender), and which
+        # connection (fd) each routing id last spoke on, so a closed connection names its actor at once.
+        self._listeners: list[Callable[[str, bool], None]] = []
+        self._fd_identity: dict[int, bytes] = {}
+        self._monitor: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._ready = threading.Event()
@@ -206,6 +212,22 @@ class Hub:
         with self.cond:
             return sorted(self.actors)
 
+    def add_membership_listener(self, fn: Callable[[str, bool], None]) -> None:
+        """`fn(actor_id, joined)` runs on the hub thread, under the hub's lock, each time an actor registers
+        (joined, also again under the same id) or is removed (dead, disconnected, evicted): keep it short."""
+        with self.cond:
+            self._listeners.append(fn)
+
+    def evict(self, actor_id: str, why: str) -> None:
+        """Remove a live actor (its grants go back to the queue). The weight sender evicts a member that never
+        joined its group epoch; the actor hears `unknown_actor` on its next message and registers again."""
+        with self.cond:
+            if actor_id not in self.actors:
+                return
+            self._release(actor_id, why)
+            self.counters["actors_evicted"] += 1
+        self._kick()
+
     def send_weight_sync(self, members: list[str], make: Callable[[str, int], m.WeightSync]) -> None:
         """Send `make(actor_id, rank)` (a WeightSync) to each member, rank = position + 1."""
         assert self._loop is not None
@@ -253,21 +275,36 @@ class Hub:
             ctx.term()
             return
         self.log.info("hub.listening", bind=self.cfg.hub.bind)
+        monitor = transport.watch_disconnects(self._sock)
+        self._monitor = zmq.Socket.shadow(monitor.underlying)  # drained synchronously, see _drain_disconnects
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         self._ready.set()
         housekeeping = asyncio.ensure_future(self._housekeeping())
         try:
             while not self.stopping:
-                if not await self._sock.poll(200):
+                ready = dict(await poller.poll(200))
+                self._drain_disconnects()
+                if self._sock not in ready:
                     continue
                 frames = await self._sock.recv_multipart(copy=False)
                 await self._on_frames(frames)
         finally:
             housekeeping.cancel()
+            self._monitor = None
+            self._sock.disable_monitor()
+            monitor.close(linger=0)
             self._sock.close(linger=0)
             ctx.term()
 
     async def _on_frames(self, frames: list) -> None:
         identity, body = frames[0].bytes, frames[1:]
+        # Disconnects first: a closed connection's fd can be reused by the very connection this message came on.
+        self._drain_disconnects()
+        fd = transport.peer_fd(frames[0])
+        if fd is not None and self._fd_identity.get(fd) != identity:
+            self._fd_identity[fd] = identity
         try:
             msg = transport.decode_frames(body, self.cfg.hub.max_frame_bytes)
         except m.ProtocolError as e:
@@ -310,6 +347,8 @@ class Hub:
                     self._release(msg.actor_id, "replaced by a new connection")
                 now = time.monotonic()
                 self.actors[msg.actor_id] = ActorState(identity, now, msg.served_version, joined_at=now)
+                for fn in self._listeners:
+                    fn(msg.actor_id, True)
             version = self.version
         if not repeat:
             self.log.info("hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version)
@@ -350,12 +389,16 @@ class Hub:
     async def _on_rollout(self, identity: bytes, msg: m.RolloutGroup) -> None:
         key = (msg.epoch, msg.prompt_id)
         n, expected = msg.lengths.shape[0], self.cfg.rollout.samples_per_prompt
+        first: tuple[int, float] | None = None  # (learner version, seconds since it registered) at its first accepted group
         with self.cond:
             state = self._known(msg.actor_id, identity)
             if state is not None and n == expected:
                 state.held.discard(key)
                 if self.ledger.receive(key):
                     state.groups += 1
+                    if state.first_version is None:
+                        state.first_version = msg.version_min
+                        first = (self.version, time.monotonic() - state.joined_at)
                     item = Accepted(key, msg, time.monotonic())
                     control.note_arrival(state, item.arrived)
                     if st.admissible(self.version, msg.version_min, self.max_staleness, self.steps):
@@ -365,6 +408,9 @@ class Hub:
                         self._drop_stale(item)
             elif state is not None:
                 self.counters["bad_group_size"] += 1
+        if first is not None:  # a joining actor's first contribution: its version must be the one it was sent
+            self.log.info("hub.actor_first_group", actor=msg.actor_id, version=msg.version_min, learner_version=first[0],
+                          after_s=round(first[1], 3))
         if state is None:
             await self._unknown(identity, msg.actor_id)
         elif n != expected:
@@ -462,7 +508,30 @@ class Hub:
         for key in list(state.held):
             if self.ledger.entries[key].actor == actor_id:
                 self.ledger.requeue(key, "dead")
+        for fn in self._listeners:
+            fn(actor_id, False)
         self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(state.held))
+
+    def _drain_disconnects(self) -> None:
+        """Remove, at once, every actor whose connection closed (a killed process: its kernel closes the socket).
+
+        A link that silently dies closes nothing; the heartbeat timeout catches that. The fd names the
+        actor: it is the fd its last message came on (transport.peer_fd). Drained before each message,
+        so the event of a closed connection is handled before a new connection on the same fd is heard.
+        """
+        if self._monitor is None:
+            return
+        fds = transport.disconnected_fds(self._monitor)
+        if not fds:
+            return
+        with self.cond:
+            for fd in fds:
+                identity = self._fd_identity.pop(fd, None)
+                for actor_id in [a for a, state in self.actors.items() if state.identity == identity]:
+                    self._release(actor_id, "connection closed")
+                    self.counters["actors_lost"] += 1  # every death; this one seen at once, not after actor_timeout_s
+                    self.counters["actors_disconnected"] += 1
+        self._kick()
 
     async def _housekeeping(self) -> None:
         """Expire leases and declare silent actors dead, once a second."""

@@ -11,10 +11,12 @@ both directions. Bounds, and how each fails:
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol.codec import decode, encode
 from protocol.messages import Message
@@ -56,6 +58,29 @@ def client_socket(ctx: zmq.Context, connect: str, max_frame_bytes: int = 16 << 2
     _bound(sock, 16, max_frame_bytes)
     sock.connect(connect)
     return sock
+
+
+def watch_disconnects(sock: zmq.Socket) -> zmq.Socket:
+    """A PAIR socket that receives `sock`'s EVENT_DISCONNECTED events (read them with `disconnected_fds`)."""
+    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+
+def disconnected_fds(monitor: zmq.Socket) -> list[int]:
+    """The fds of the connections closed since the last call (non-blocking; `monitor` is a plain, not asyncio, socket)."""
+    fds = []
+    while typing.cast(int, monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # EVENTS also processes libzmq's pending commands
+        event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            fds.append(int(event["value"]))
+    return fds
+
+
+def peer_fd(frame: zmq.Frame) -> int | None:
+    """The fd of the connection a received frame came on (ZMQ_SRCFD: deprecated by libzmq, still served by 4.3)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
 
 
 async def send(sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None) -> None:

@@ -155,7 +155,8 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                 "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
                 "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
                 "grad_norm": stats.grad_norm, "adv_abs_mean": float(advantages.abs().mean()), "max_staleness": k,
-                "groups_filtered": len(filtered), "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
+                "groups_filtered": len(filtered), "batch/actors": len({g.actor_id for g in groups}),
+                "batch/on_policy_actors": len({g.actor_id for g, s in zip(groups, stale, strict=True) if s == 0}), "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
             }
             row.update(checkpoints.maybe_save(updates, row, last))
             metrics.write(row)
@@ -171,5 +172,6 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
         metrics.close()
         plot = metrics.plot()
         hub.ledger.check()
-        log.info("learner.done", updates=updates, version=version, wall_s=round(time.perf_counter() - t_start, 1), plot=str(plot), ledger=hub.ledger.state_counts())
+        log.info("learner.done", updates=updates, version=version, wall_s=round(time.perf_counter() - t_start, 1), plot=str(plot), ledger=hub.ledger.state_counts(),
+                 ledger_epochs=hub.ledger.epochs_opened, ledger_prompts=hub.ledger.num_prompts, ledger_counts=dict(hub.ledger.counts))
     return 0

@@ -87,6 +87,12 @@ class Engine:
                 finish_reason=c.finish_reason or "length", text=c.text))
         return completions
 
+    async def warm_up(self) -> None:
+        """One throwaway request: the engine's first is slow (1.7 s for the demo model here, 0.03 s after: lazy
+        kernel set-up). Paid before the actor registers, so that a joiner's first group, generated with the
+        weights it was just sent, is not already stale when it arrives."""
+        await self.generate_group(np.ones(4, dtype=np.int32), self.cfg.rollout.samples_per_prompt)
+
     async def apply_weights(self, sync: WeightSync) -> dict[str, Any]:
         """Pause between engine steps (in-flight requests are kept), receive and load, resume.
 

@@ -64,6 +64,8 @@ class Actor:
             loop.add_signal_handler(sig, self.stop.set)
         with phase(self.log, "actor.engine_start", model=self.cfg.model.path):  # blocks the loop; the ticker is a thread
             self.engine = Engine(self.cfg)
+        with phase(self.log, "actor.engine_warmup"):
+            await self.engine.warm_up()
         ctx = zmq.asyncio.Context()
         self.sock = transport.actor_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes)
         try:

@@ -50,7 +50,7 @@ class ActorState:
     held: set[Key] = field(default_factory=set)
     groups: int = 0  # groups accepted from it
     joined_at: float = 0.0
-    first_version: int | None = None  # version_min of its first accepted group (a late joiner's must be current)
+    first_version: int | None = None  # version_min of its first admissible group (a late joiner's must be current)
     arrivals: deque[float] = field(default_factory=deque)  # accept times, last control.RATE_WINDOW_S (samples/s)
 
 
@@ -396,19 +396,19 @@ class Hub:
                 state.held.discard(key)
                 if self.ledger.receive(key):
                     state.groups += 1
-                    if state.first_version is None:
-                        state.first_version = msg.version_min
-                        first = (self.version, time.monotonic() - state.joined_at)
                     item = Accepted(key, msg, time.monotonic())
                     control.note_arrival(state, item.arrived)
                     if st.admissible(self.version, msg.version_min, self.max_staleness, self.steps):
                         self.buffer.append(item)
                         self.cond.notify_all()
+                        if state.first_version is None:  # its first group that can be trained
+                            state.first_version = msg.version_min
+                            first = (self.version, time.monotonic() - state.joined_at)
                     else:  # already too stale on arrival: versions only grow, it can never be used
                         self._drop_stale(item)
             elif state is not None:
                 self.counters["bad_group_size"] += 1
-        if first is not None:  # a joining actor's first contribution: its version must be the one it was sent
+        if first is not None:  # a joining actor's first trainable group: its version must be one it was sent
             self.log.info("hub.actor_first_group", actor=msg.actor_id, version=msg.version_min, learner_version=first[0],
                           after_s=round(first[1], 3))
         if state is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -86,23 +87,32 @@ class Engine:
                 finish_reason=c.finish_reason or "length", text=c.text))
         return completions
 
+    async def warm_up(self) -> None:
+        """One throwaway request: the engine's first is slow (1.7 s for the demo model here, 0.03 s after: lazy
+        kernel set-up). Paid before the actor registers, so that a joiner's first group, generated with the
+        weights it was just sent, is not already stale when it arrives."""
+        await self.generate_group(np.ones(4, dtype=np.int32), self.cfg.rollout.samples_per_prompt)
+
     async def apply_weights(self, sync: WeightSync, leave_group: bool = False) -> dict[str, Any]:
         """Pause between engine steps (in-flight requests are kept), receive and load, resume.
 
         `leave_group`: the worker first drops its weight group and store (the learner that made them is gone).
-        A failed sync (`"error"` in the result) after some buckets were loaded leaves the engine
-        holding parts of two versions: it stays paused until a complete sync resumes it.
+        `paused_s` is the generation stall: pause to resume. A failed sync (`error` in the result,
+        actors/weight_receiver.py) that loaded some buckets leaves the engine holding parts of two
+        versions: it stays paused, and the next complete sync resumes it (pausing again is harmless).
         """
         fields = {f.name: getattr(sync, f.name) for f in dataclasses.fields(sync)}
         fields["leave_group"] = leave_group
+        t0 = time.perf_counter()
         await self.llm.pause_generation(mode="keep", clear_cache=False)
-        partial = False
+        torn = False
         try:
             (result,) = await self.llm.collective_rpc("fleetrl_receive", args=(fields,), timeout=sync.timeout_s + 30)
-            partial = "error" in result and result["buckets_loaded"] > 0
+            torn = "error" in result and result["buckets_loaded"] > 0
         finally:
-            if not partial:
+            if not torn:
                 await self.llm.resume_generation()
+        result["paused_s"] = time.perf_counter() - t0
         return result
 
     def shutdown(self) -> None:

@@ -6,7 +6,7 @@
     eval task:      EvalGrant -> generate with its sampling (greedy or sampled) -> score -> EvalResult
                     (not counted in `held`: eval work never takes the place of training work)
     sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
-                    (a broken group is logged and survived: the learner's next sync forms a new epoch)
+                    (a failed sync is logged and survived: the learner forms a new group epoch and sends again)
     heartbeat task: Heartbeat every hub.heartbeat_s; re-registers when the hub stops answering
     watch task:     the learner's connection closing (it died or restarted) -> learner lost
 
@@ -31,13 +31,13 @@ import signal
 import socket
 import time
 import uuid
+from contextlib import aclosing
 from pathlib import Path
 
 import numpy as np
 import uvloop
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
 
 from actors.rewards import load_reward_fn
 from protocol import auth, transport
@@ -63,6 +63,7 @@ class Actor:
         self.work: set[asyncio.Task] = set()  # grant and eval tasks: void when the learner is lost
         self.lost = 0  # times the learner was lost; a sync started before a loss must not set served_version
         self.leave_group = False  # the worker must drop its weight group and store before the next sync
+        self.synced = 0  # weight syncs applied
         self.registered = asyncio.Event()
         self.stop = asyncio.Event()
         self.exit_code = 0
@@ -78,14 +79,14 @@ class Actor:
             loop.add_signal_handler(sig, self.stop.set)
         with phase(self.log, "actor.engine_start", model=self.cfg.model.path):  # blocks the loop; the ticker is a thread
             self.engine = Engine(self.cfg)
+        with phase(self.log, "actor.engine_warmup"):
+            await self.engine.warm_up()
         ctx = zmq.asyncio.Context()
         self.sock = transport.client_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self.keys)
         try:
             self._spawn(self._receive())
             self._spawn(self._heartbeat())
             self._spawn(self._watch_connection())
-            if self.keys is not None:
-                self._spawn(self._watch_key())
             await self.stop.wait()
         finally:
             for task in self.tasks:
@@ -96,14 +97,6 @@ class Actor:
             self.engine.shutdown()
             self.log.info("actor.stopped", exit_code=self.exit_code)
         return self.exit_code
-
-    async def _watch_key(self) -> None:
-        """A refused key is final (libzmq does not retry it): say so and exit non-zero instead of waiting forever."""
-        status = await transport.refused(self.sock)
-        self.log.error("actor.key_refused", learner=self.learner, status=status, key=self.cfg.auth.client_key,
-                       hint="add its public key to the learner's auth.authorized folder (fleetrl keys), then restart this actor")
-        self.exit_code = 1
-        self.stop.set()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -128,16 +121,20 @@ class Actor:
         self.log.warning("actor.learner_lost", why=why, learner=self.learner, cancelled=len(self.work))
 
     async def _watch_connection(self) -> None:
-        """A closed connection is the first sign of a dead learner (a restarted one would answer unknown_actor)."""
-        monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                event = await recv_monitor_message(monitor)
-                if event["event"] == zmq.EVENT_DISCONNECTED and self.registered.is_set():
+        """The connection's events, from its one monitor (libzmq allows one per socket):
+        - closed: the first sign of a dead learner (a restarted one would answer unknown_actor);
+        - key refused: final (libzmq does not retry a refused handshake), so say so and exit non-zero
+          instead of waiting forever."""
+        async with aclosing(transport.socket_events(self.sock, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)) as events:
+            async for event in events:
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self.log.error("actor.key_refused", learner=self.learner, status=int(event["value"]), key=self.cfg.auth.client_key,
+                                   hint="add its public key to the learner's auth.authorized folder (fleetrl keys), then restart this actor")
+                    self.exit_code = 1
+                    self.stop.set()
+                    return
+                if self.registered.is_set():
                     self._lost_learner("connection closed")
-        finally:
-            self.sock.disable_monitor()
-            monitor.close(linger=0)
 
     def _task_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
@@ -261,7 +258,7 @@ class Actor:
             result = await self.engine.apply_weights(sync, leave_group=leave)
             if "error" in result:
                 # The group broke (a member died, the link to the learner was down, or the learner died). The
-                # learner forms a new epoch at its next sync or re-send (learner/resync.py); until then we serve the
+                # learner gives the epoch up and sends again in a new one (learner/weight_sync.py); until then we serve the
                 # old version (or nothing, paused, if some buckets were loaded) and the hub grants us nothing newer.
                 # A learner that is gone shows as a closed connection (the watch task), not here.
                 self.log.warning("actor.weights_failed", version=sync.policy_version, epoch=sync.group_epoch, served=self.served_version,
@@ -270,12 +267,16 @@ class Actor:
             if lost != self.lost:  # weights of a learner that is gone: keep serving -1 until the next one's sync
                 self.log.info("actor.stale_sync_ignored", version=sync.policy_version, epoch=sync.group_epoch)
                 return
+            first = self.synced == 0
+            self.synced += 1
             async with self.version_changed:
                 self.served_version = sync.policy_version
                 self.version_changed.notify_all()
             set_context(policy_version=sync.policy_version)
             load_s = time.perf_counter() - t0
-            self.log.debug("actor.weights_loaded", version=sync.policy_version, epoch=sync.group_epoch, load_s=round(load_s, 4), **result)
+            # The first sync is the join (a late joiner's catch-up); later ones are routine, every update.
+            (self.log.info if first else self.log.debug)(
+                "actor.weights_loaded", version=sync.policy_version, epoch=sync.group_epoch, load_s=round(load_s, 4), **result)
             await self._send(m.WeightVersion(actor_id=self.actor_id, served_version=sync.policy_version, group_epoch=sync.group_epoch, load_s=load_s))
         await self._request_work()
 

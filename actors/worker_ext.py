@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from protocol import weights as wg
-from protocol.net import local_addr_towards
+from actors.weight_receiver import WeightReceiver
 
 _pack_linear: Callable[..., None] | None
 try:  # only the CPU build packs weights; on CUDA this patch is never reached.
@@ -40,64 +39,26 @@ class FleetWeightReceiver:
     """Methods run in the vLLM worker; names carry a prefix so they cannot clash with the worker's."""
 
     model_runner: Any  # provided by the vLLM worker class this is mixed into
-    # The weight group this worker is in, keyed by (store address, epoch); None = none (or it broke).
-    _fleetrl_epoch: tuple[tuple[str, int], int] | None = None
-    _fleetrl_pg: Any = None
-    _fleetrl_store: Any = None
-    _fleetrl_store_key: tuple[str, int] | None = None
 
     def fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, Any]:
-        """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it.
+        """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it, repack.
 
-        A broken group (a member died, the link to the learner is down) makes gloo raise after
-        `timeout_s`. That is reported, not raised: the group and the store connection are dropped
-        (the learner forms a new epoch), and `buckets_loaded` says whether the engine now holds
-        parts of two versions.
+        A failure comes back as `error` (actors/weight_receiver.py), with `buckets_loaded`.
         `sync["leave_group"]`: drop the group and the store first (the learner that made them is
         gone; a restarted one may host its store on the same port, with epochs from 1 again).
         """
-        if sync.get("leave_group"):
-            self._fleetrl_leave()
-        t0 = time.perf_counter()
-        loaded = 0
-        try:
-            group = self._fleetrl_group(sync)
-            t_join = time.perf_counter()
-            model = self.model_runner.get_model()
-            dtype = wg.DTYPES[sync["dtype"]]
-            need = wg.landing_numel(sync["shapes"], dtype, sync["bucket_bytes"])
-            buffer = getattr(self, "_fleetrl_buffer", None)
-            if buffer is None or buffer.dtype != dtype or buffer.numel() < need:
-                # One landing buffer kept across syncs (load_weights copies out of it): fresh memory
-                # page-faults on first touch, which costs about as much as the transfer.
-                buffer = self._fleetrl_buffer = torch.empty(need, dtype=dtype)
-            for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], dtype, sync["bucket_bytes"], buffer):
-                model.load_weights(pairs)
-                loaded += 1
-        except RuntimeError as e:  # DistBackendError (timeout, peer closed) and DistStoreError are RuntimeErrors
-            self._fleetrl_leave()
-            return {"error": str(e).splitlines()[0][:500], "buckets_loaded": loaded, "failed_after_s": time.perf_counter() - t0}
-        repacked = self._fleetrl_repack(model)
-        return {"join_s": t_join - t0, "recv_load_s": time.perf_counter() - t_join, "repacked": float(repacked)}
-
-    def _fleetrl_leave(self) -> None:
-        self._fleetrl_epoch, self._fleetrl_pg, self._fleetrl_store, self._fleetrl_store_key = None, None, None, None
-
-    def _fleetrl_group(self, sync: dict[str, Any]):
-        # Keyed by the store too: a restarted learner numbers its epochs from 1 again.
-        key = (sync["store_host"], sync["store_port"])
-        epoch = (key, sync["group_epoch"])
-        if self._fleetrl_epoch != epoch:
-            if self._fleetrl_store_key != key:
-                self._fleetrl_store = wg.open_store(key[0], key[1], is_master=False, timeout_s=sync["timeout_s"])
-                self._fleetrl_store_key = key
-            bind = local_addr_towards(sync["store_host"], sync["store_port"])
-            self._fleetrl_pg = wg.open_group(
-                self._fleetrl_store, bind, sync["group_epoch"], sync["rank"], sync["world_size"], sync["timeout_s"],
-                backend="nccl" if torch.cuda.is_available() else "gloo",
-            )
-            self._fleetrl_epoch = epoch
-        return self._fleetrl_pg
+        receiver = getattr(self, "_fleetrl_receiver", None)
+        if receiver is None:
+            receiver = self._fleetrl_receiver = WeightReceiver()
+        if sync.pop("leave_group", False):
+            receiver.leave(drop_store=True)
+        model = self.model_runner.get_model()
+        result = receiver.receive(sync, model.load_weights)
+        if "error" not in result:
+            t0 = time.perf_counter()
+            result["repacked"] = float(self._fleetrl_repack(model))
+            result["repack_s"] = time.perf_counter() - t0
+        return result
 
     @staticmethod
     def _fleetrl_repack(model: torch.nn.Module) -> int:

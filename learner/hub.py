@@ -54,6 +54,7 @@ class ActorState:
     held: set[Key] = field(default_factory=set)
     groups: int = 0  # groups accepted from it
     joined_at: float = 0.0
+    first_version: int | None = None  # version_min of its first admissible group (a late joiner's must be current)
     arrivals: deque[float] = field(default_factory=deque)  # accept times, last control.RATE_WINDOW_S (samples/s)
 
 
@@ -81,7 +82,6 @@ class Hub:
         self.steps = cfg.train.mini_batches * cfg.train.ppo_epochs  # optimizer steps (versions) per update
         self.eval_round: EvalRound | None = None  # at most one; its grants never count as outstanding
         self.counters: Counter[str] = Counter()
-        self.membership = 0  # bumped when an actor registers (again) or is removed: the weight group must re-form
         self.stopping = False
         # Operations (learner/control.py): `fleetrl ctl`, `fleetrl status`, RUN_DIR/control.toml.
         self.started = time.monotonic()
@@ -93,6 +93,11 @@ class Hub:
         self._keys = auth.server_keys(cfg)
         self._gate: Gatekeeper | None = None
         self._throttles: dict[str, Throttle] = {name: Throttle(1.0) for name in ("bad_message", "send_failed")}
+        # Elastic membership: who is told when an actor registers or is removed (the weight sender), and which
+        # connection (fd) each routing id last spoke on, so a closed connection names its actor at once.
+        self._listeners: list[Callable[[str, bool], None]] = []
+        self._fd_identity: dict[int, bytes] = {}
+        self._monitor: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._ready = threading.Event()
@@ -217,16 +222,21 @@ class Hub:
         with self.cond:
             return sorted(self.actors)
 
-    def members(self) -> tuple[list[str], int]:
-        """Live actors and the membership count: equal names with a new count are new connections (new workers)."""
+    def add_membership_listener(self, fn: Callable[[str, bool], None]) -> None:
+        """`fn(actor_id, joined)` runs on the hub thread, under the hub's lock, each time an actor registers
+        (joined, also again under the same id) or is removed (dead, disconnected, evicted): keep it short."""
         with self.cond:
-            return sorted(self.actors), self.membership
+            self._listeners.append(fn)
 
-    def lagging_actors(self, version: int) -> list[str]:
-        """Live actors serving a version older than `version` (newcomers, and actors back from a lost learner,
-        which serve -1): they get no grants until they catch up."""
+    def evict(self, actor_id: str, why: str) -> None:
+        """Remove a live actor (its grants go back to the queue). The weight sender evicts a member that never
+        joined its group epoch; the actor hears `unknown_actor` on its next message and registers again."""
         with self.cond:
-            return sorted(a for a, s in self.actors.items() if s.served_version < version)
+            if actor_id not in self.actors:
+                return
+            self._release(actor_id, why)
+            self.counters["actors_evicted"] += 1
+        self._kick()
 
     def send_weight_sync(self, members: list[str], make: Callable[[str, int], m.WeightSync]) -> None:
         """Send `make(actor_id, rank)` (a WeightSync) to each member, rank = position + 1."""
@@ -281,11 +291,18 @@ class Hub:
             ctx.term()
             return
         self.log.info("hub.listening", bind=self.cfg.hub.bind, curve=self._keys is not None)
+        monitor = transport.watch_disconnects(self._sock)
+        self._monitor = zmq.Socket.shadow(monitor.underlying)  # drained synchronously, see _drain_disconnects
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         self._ready.set()
         housekeeping = asyncio.ensure_future(self._housekeeping())
         try:
             while not self.stopping:
-                if not await self._sock.poll(200):
+                ready = dict(await poller.poll(200))
+                self._drain_disconnects()
+                if self._sock not in ready:
                     continue
                 # Read what is queued before polling again: one poll per burst, not per message (under a
                 # flood the poll's own overhead was most of the cost). Bounded, so stopping stays prompt.
@@ -297,6 +314,9 @@ class Hub:
                     await self._on_frames(frames)
         finally:
             housekeeping.cancel()
+            self._monitor = None
+            self._sock.disable_monitor()
+            monitor.close(linger=0)
             self._sock.close(linger=0)
             if self._gate is not None:
                 self._gate.stop()
@@ -306,6 +326,11 @@ class Hub:
         identity, body = frames[0].bytes, frames[1:]
         if self._gate is not None and not (body and self._gate.admits(body[0])):
             return  # its key was revoked after it connected: dropped unanswered (counted by the gate)
+        # Disconnects first: a closed connection's fd can be reused by the very connection this message came on.
+        self._drain_disconnects()
+        fd = transport.peer_fd(frames[0])
+        if fd is not None and self._fd_identity.get(fd) != identity:
+            self._fd_identity[fd] = identity
         try:
             msg = transport.decode_frames(body, self.cfg.hub.max_frame_bytes)
         except m.ProtocolError as e:
@@ -369,7 +394,8 @@ class Hub:
                     self.counters["reregistered"] += 1
                 now = time.monotonic()
                 self.actors[msg.actor_id] = ActorState(identity, now, self._trusted(msg.served_version), joined_at=now)
-                self.membership += 1
+                for fn in self._listeners:
+                    fn(msg.actor_id, True)
             version = self.version
         if not repeat:
             self.log.info("hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version)
@@ -410,7 +436,7 @@ class Hub:
     async def _on_rollout(self, identity: bytes, msg: m.RolloutGroup) -> None:
         key = (msg.epoch, msg.prompt_id)
         n, expected = msg.lengths.shape[0], self.cfg.rollout.samples_per_prompt
-        first_s = None
+        first: tuple[int, float] | None = None  # (learner version, seconds since it registered) at its first accepted group
         with self.cond:
             state = self._known(msg.actor_id, identity)
             ahead = msg.version_min > self.version  # weights this learner never had (a lost learner's)
@@ -420,21 +446,23 @@ class Hub:
                 state.held.discard(key)
                 if self.ledger.receive(key):
                     state.groups += 1
-                    if state.groups == 1:
-                        first_s = time.monotonic() - state.joined_at
                     item = Accepted(key, msg, time.monotonic())
                     control.note_arrival(state, item.arrived)
                     if st.admissible(self.version, msg.version_min, self.max_staleness, self.steps):
                         self.buffer.append(item)
                         self.cond.notify_all()
+                        if state.first_version is None:  # its first group that can be trained
+                            state.first_version = msg.version_min
+                            first = (self.version, time.monotonic() - state.joined_at)
                     else:  # already too stale on arrival: versions only grow, it can never be used
                         self._drop_stale(item)
             elif state is not None:
                 self.counters["bad_group_size"] += 1
         if state is not None and n == expected:
             self.log.debug("hub.group_received", actor=msg.actor_id, key=key, version=msg.version_min)
-        if first_s is not None:  # since (re-)registration: how long a joining actor takes to contribute
-            self.log.info("hub.actor_first_group", actor=msg.actor_id, after_s=round(first_s, 2), version=msg.version_min)
+        if first is not None:  # a joining actor's first trainable group: its version must be one it was sent
+            self.log.info("hub.actor_first_group", actor=msg.actor_id, version=msg.version_min, learner_version=first[0],
+                          after_s=round(first[1], 3))
         if state is None:
             await self._unknown(identity, msg.actor_id)
         elif ahead:
@@ -541,13 +569,35 @@ class Hub:
     def _release(self, actor_id: str, why: str) -> None:
         """Caller holds the lock: forget an actor and requeue what it held."""
         state = self.actors.pop(actor_id)
-        self.membership += 1
         if self.eval_round is not None:
             self.eval_round.release_actor(actor_id)
         requeued = [key for key in state.held if self.ledger.entries[key].actor == actor_id]
         for key in requeued:
             self.ledger.requeue(key, "dead")
+        for fn in self._listeners:
+            fn(actor_id, False)
         self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(requeued), keys=sorted(requeued))
+
+    def _drain_disconnects(self) -> None:
+        """Remove, at once, every actor whose connection closed (a killed process: its kernel closes the socket).
+
+        A link that silently dies closes nothing; the heartbeat timeout catches that. The fd names the
+        actor: it is the fd its last message came on (transport.peer_fd). Drained before each message,
+        so the event of a closed connection is handled before a new connection on the same fd is heard.
+        """
+        if self._monitor is None:
+            return
+        fds = transport.disconnected_fds(self._monitor)
+        if not fds:
+            return
+        with self.cond:
+            for fd in fds:
+                identity = self._fd_identity.pop(fd, None)
+                for actor_id in [a for a, state in self.actors.items() if state.identity == identity]:
+                    self._release(actor_id, "connection closed")
+                    self.counters["actors_lost"] += 1  # every death; this one seen at once, not after actor_timeout_s
+                    self.counters["actors_disconnected"] += 1
+        self._kick()
 
     async def _housekeeping(self) -> None:
         """Expire leases and declare silent actors dead, once a second; re-read the CURVE allow-list if it changed."""

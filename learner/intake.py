@@ -10,8 +10,6 @@ uninformative groups in it, and says so.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from learner.advantages import informative_groups
 from learner.hub import Accepted, Hub
 from protocol.config import Config
@@ -19,16 +17,13 @@ from protocol.config import Config
 MAX_FILTERED_BATCHES = 4
 
 
-def wait_for_batch(hub: Hub, n: int, stop: dict, log, report_s: float = 30.0,
-                   on_idle: Callable[[], None] = lambda: None) -> list[Accepted] | None:
-    """take_batch, but wakes up to honour SIGTERM, to run `on_idle` (learner/resync.py) and to say what it
-    waits for. None when stopping."""
+def wait_for_batch(hub: Hub, n: int, stop: dict, log, report_s: float = 30.0) -> list[Accepted] | None:
+    """take_batch, but wakes up to honour SIGTERM and to say what it waits for. None when stopping."""
     waited = 0.0
     while not stop["flag"]:
         try:
             return hub.take_batch(n, timeout_s=1.0)
         except TimeoutError:
-            on_idle()
             waited += 1.0
             if waited % report_s == 0:
                 snap = hub.snapshot()
@@ -36,8 +31,7 @@ def wait_for_batch(hub: Hub, n: int, stop: dict, log, report_s: float = 30.0,
     return None
 
 
-def take_update_batch(hub: Hub, cfg: Config, stop: dict, log,
-                      on_idle: Callable[[], None] = lambda: None) -> tuple[list[Accepted], list[Accepted]] | None:
+def take_update_batch(hub: Hub, cfg: Config, stop: dict, log) -> tuple[list[Accepted], list[Accepted]] | None:
     """(groups to train on, groups consumed by the filter); None when stopping (taken groups go back)."""
     import numpy as np
     import torch
@@ -46,7 +40,7 @@ def take_update_batch(hub: Hub, cfg: Config, stop: dict, log,
     kept: list[Accepted] = []
     filtered: list[Accepted] = []
     while len(kept) < n:
-        batch = wait_for_batch(hub, n - len(kept), stop, log, on_idle=on_idle)
+        batch = wait_for_batch(hub, n - len(kept), stop, log)
         if batch is None:
             hub.abort_update(kept + filtered)
             return None

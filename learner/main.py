@@ -8,7 +8,7 @@
              -> every checkpoint.every_steps: Hugging Face checkpoint (learner/checkpoint.py)
                 plus the training state; every rank saves its DeepSpeed shard (learner/resume.py)
              -> metrics
-    while waiting for rollouts: actors that lag behind the current version get it again (learner/resync.py)
+    until the next update: any live actor that lacks the current version gets it (learner/weight_sync.py)
 
 `--resume`: every rank loads the newest complete checkpoint's engines; rank 0 restores the hub
 (ledger, version, counters) and the metrics rows before any actor can register.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from learner.checkpoint import WRITE_ERRORS, CheckpointManager, hf_writer, staging_dir
 from learner.data import load_datasets
@@ -44,7 +45,6 @@ from learner.resume import (
     save_engines,
     write_learner_state,
 )
-from learner.resync import Resync
 from learner.shard import Share, scatter_shares
 from learner.trainer import StepLayout, Trainer, make_shares
 from learner.weight_sync import WeightSender
@@ -61,6 +61,15 @@ def run_learner(cfg: Config, resume: bool = False) -> int:
     """
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     init_distributed()
+    try:
+        return _run_rank(cfg, resume)
+    finally:
+        # Left to interpreter exit, a follower rank sometimes died in gloo's teardown ("terminate called
+        # without an active exception", SIGABRT) after finishing cleanly, and torchrun reported a failed run.
+        dist.destroy_process_group()
+
+
+def _run_rank(cfg: Config, resume: bool) -> int:
     topo = make_topology(cfg.train.sequence_parallel_size)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -108,7 +117,7 @@ def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
     buckets = wg.plan_buckets(trainer.full_shapes(), wg.DTYPES[cfg.model.dtype].itemsize, cfg.weights.bucket_mb << 20)
     sharded = cfg.train.zero_stage == 3  # rank 0's weight snapshot gathers every bucket: join it
     if sharded:
-        trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)  # rank 0 primes its weight sender at start
+        trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)  # rank 0's WeightSender.start
     updates = 0
     while True:
         share = scatter_shares(topo, None)
@@ -152,17 +161,12 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     if not sharded:
         sender.guard(trainer.engine.optimizer)
     snapshot = (lambda out: trainer.snapshot(sender.ranges, sender.torch_dtype, out)) if sharded else None
-    if snapshot is not None:
-        # Collective (the followers join it at start): the weights a re-send gives a late or returning actor
-        # before the first update (a resumed learner's actors all come back serving -1).
-        sender.prime(snapshot)
+    # Collective under ZeRO-3 (the followers join it at start). A resumed learner's actors come back serving -1
+    # and get no work until they serve `version`: it is sent to each as it registers.
+    sender.start(version, hub, snapshot)
     metrics = MetricsWriter(run_dir)
     metrics.rows.extend(kept_rows)  # the plot covers the whole run
     evaluator = Evaluator(cfg, data.eval_sets(), hub)
-    # A resumed learner's actors come back serving -1 and get no work until they serve `version`: send it at
-    # once (no broadcast of this learner can be in flight), not after the patience.
-    resync = Resync(sender=sender, hub=hub, patience_s=cfg.weights.timeout_s + 1.0, version=version,
-                    last_sync=time.monotonic() - cfg.weights.timeout_s - 1.0)
     # Checkpoints: from the model on rank 0, or under ZeRO-3 from the weight snapshot rank 0 already holds.
     hf = hf_writer(trainer.engine.module, tokenizer, sender.state_dict)
 
@@ -194,7 +198,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     try:
         while updates < total_updates and not stop["flag"]:
             t0 = time.perf_counter()
-            taken = take_update_batch(hub, cfg, stop, log, on_idle=resync)
+            taken = take_update_batch(hub, cfg, stop, log)
             if taken is None:
                 break
             batch, filtered = taken
@@ -218,8 +222,6 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
             hub.finish_update(version, [item.key for item in batch + filtered])
             t_sync = time.monotonic()
             sync = sender.sync(version, hub, snapshot)
-            resync.synced(version)
-            sync["weights/resyncs"] = float(resync.count)
             step_s = time.perf_counter() - t0
             hub.note_update(step_s, t_sync, sync["time/weight_sync"], sync.get("time/broadcast"))
             last = updates >= total_updates
@@ -236,7 +238,8 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                 "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
                 "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
                 "grad_norm": stats.grad_norm, "adv_abs_mean": float(advantages.abs().mean()), "max_staleness": k,
-                "groups_filtered": len(filtered), "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
+                "groups_filtered": len(filtered), "batch/actors": len({g.actor_id for g in groups}),
+                "batch/on_policy_actors": len({g.actor_id for g, s in zip(groups, stale, strict=True) if s == 0}), "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
             }
             last_row = row
             row.update(checkpoints.maybe_save(updates, row, last))
@@ -259,5 +262,6 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
         metrics.close()
         plot = metrics.plot()
         hub.ledger.check()
-        log.info("learner.done", updates=updates, version=version, wall_s=round(time.perf_counter() - t_start, 1), plot=str(plot), ledger=hub.ledger.state_counts())
+        log.info("learner.done", updates=updates, version=version, wall_s=round(time.perf_counter() - t_start, 1), plot=str(plot), ledger=hub.ledger.state_counts(),
+                 ledger_epochs=hub.ledger.epochs_opened, ledger_prompts=hub.ledger.num_prompts, ledger_counts=dict(hub.ledger.counts))
     return 0

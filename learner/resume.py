@@ -17,7 +17,7 @@ complete: resume takes the newest step-N with state/learner.json; an interrupted
 Resume, on every rank: load the engines (weights, optimizer, scheduler); under ZeRO-3 join the
 start-of-run weight snapshot. Rank 0 also restores the hub (ledger, counters, version) before any
 actor can register, cuts metrics.jsonl back to rows 1..N (rows of updates after the checkpoint are
-retrained), and re-sends the restored weights to every actor that registers (learner/resync.py):
+retrained), and re-sends the restored weights to every actor that registers (WeightSender.start):
 no actor generates until it serves them.
 
 Limits: the learner ranks and ZeRO stage must be those of the checkpoint (DeepSpeed shards the

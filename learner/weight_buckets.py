@@ -18,6 +18,7 @@ barrier: 12-99 ms instead of 8 ms for 64 MiB, measured on this machine under loa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -90,16 +91,18 @@ class Buckets:
         """Every bucket copied: what may be broadcast while the parameters keep changing."""
         return [self.copy(i) for i in range(len(self))]
 
-    def send(self, group: dist.ProcessGroup, snapshot: list[torch.Tensor] | None) -> None:
+    def send(self, group: dist.ProcessGroup, snapshot: list[torch.Tensor] | None,
+             bcast: Callable[[dist.ProcessGroup, torch.Tensor], None] = wg.broadcast) -> None:
         """Broadcast every bucket from `snapshot`, or, without one, from live memory where there is
-        some (the caller guarantees the parameters do not change until this returns)."""
+        some (the caller guarantees the parameters do not change until this returns). `bcast` sends
+        one bucket (protocol/abortable.py's gives up when a member is removed)."""
         for i in range(len(self)):
             if snapshot is not None:
                 flat = snapshot[i]
             else:
                 live = self.live(i)
                 flat = live if live is not None else self.copy(i)
-            wg.broadcast(group, flat)
+            bcast(group, flat)
 
 
 def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -1,33 +1,40 @@
-"""Learner rank 0's side of the weight group: form the group for the current members, broadcast.
+"""Learner rank 0's side of the weight group: serve each version to every live actor, through joins and deaths.
 
-Membership changes only at sync boundaries: when the set of live actors differs
-from the last group's, the next sync forms a new group epoch (every member gets
-a WeightSync naming it, a newcomer included, and joins before the broadcast).
-An actor that registered again (same id, new connection or served -1: its learner went
-away and its worker left the old group) counts as a change too: the hub's membership
-count. A failed broadcast (a member died: gloo times out) leaves no group behind; the
-next sync forms a new epoch without the dead member.
+    sync(v) ----> serving thread for v (lives while the parameters hold v) -----------------------+
+                    attempt: the live actors that lack v -> their group epoch (the last group if   |
+                    it is exactly them, else a new one) -> WeightSync to each -> joins -> buckets  |
+                    ok: they hold v.  failed: give the epoch up, retry with whoever is still live  |
+                    then sleep until an actor registers (it gets v now), one is removed, or stop   |
+    next sync(v') / the optimizer step (guard) -> stop: an attempt in flight finishes first ------+
 
-While the learner waits for rollouts, learner/resync.py re-sends the current version
-(`resend`) to actors that lag behind it.
-
-Only the sending thread touches the group; `sync` and `wait` hand work to it.
+Elastic membership. Each membership is a numbered group epoch with its own store prefix; a
+newcomer is sent the current version at once, in an epoch of its own (the others keep serving),
+and the next sync forms an epoch of everyone. A member that dies is removed by the hub (its
+connection closed: at once; silent: after hub.actor_timeout_s), which tells this sender; an
+attempt it was part of is given up (store key `abort`, so the other members stop waiting too,
+protocol/abortable.py) and retried without it. A member that never joins an epoch within
+weights.timeout_s is evicted from the hub. Nothing waits inside gloo, so neither the learner nor
+the survivors wait for a dead member's timeout (measured in tests/test_weight_death.py).
 
 Where the bytes come from (see learner/weight_buckets.py):
 - ZeRO-3 (parameters sharded over the learner ranks): `sync` is given a `snapshot` that
   gathers each bucket on every rank and copies it out on rank 0 (Trainer.snapshot).
 - ZeRO-0/1/2 (rank 0 holds every parameter), unguarded: `sync` copies every bucket on the
-  learner thread (one memcpy each when the parameters are DeepSpeed's flat buffer) and the
-  broadcast runs from the copies.
-- After `guard(optimizer)`: the optimizer's step first waits for the broadcast in flight,
-  so the broadcast reads the parameters in place: no copy, and `sync` holds nothing up.
+  learner thread (one memcpy each when the parameters are DeepSpeed's flat buffer).
+- After `guard(optimizer)`: the optimizer's step first stops the serving thread (and waits for
+  the attempt in flight), so every attempt reads the parameters in place: no copy, and `sync`
+  holds nothing up. A catch-up for a newcomer can therefore only start while no step runs.
+Either way the serving thread only ever sends version v: the copies are of v, and the guard
+keeps the parameters at v while it runs.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,11 +44,37 @@ from learner.hub import Hub
 from learner.weight_buckets import Buckets
 from protocol import messages as m
 from protocol import weights as wg
+from protocol.abortable import Abortable, Aborted, Graveyard, abort_key, joined_key
 from protocol.config import WeightsConfig
 from protocol.logs import get_logger
 from protocol.progress import phase
 
 Snapshot = Callable[[list[torch.Tensor] | None], list[torch.Tensor] | None]
+POLL_S = 0.02  # how often a long wait re-checks for a removed member: the latency of an abort
+JOIN_POLL_S = 0.005  # how often rank 0 looks for the members' joined keys
+RETRY_S, RETRY_MAX_S = 0.2, 10.0  # backoff after a failure that no removal explains (yet)
+
+
+@dataclass(kw_only=True, slots=True)
+class Attempt:
+    """One try at giving `version` to `members` in group epoch `epoch`."""
+
+    version: int
+    epoch: int
+    members: list[str]  # rank = position + 1
+    new_group: bool  # the epoch is new: members join before the broadcast
+    gens: dict[str, int]  # each member's registration count when the attempt began (a re-registered one lacks v)
+
+
+@dataclass(kw_only=True, slots=True)
+class Serving:
+    """What serving one version took, reported by the next `wait`."""
+
+    version: int
+    broadcast_s: float | None = None  # the first complete attempt (normally the sync's own)
+    failed: int = 0  # attempts given up
+    catchups: int = 0  # complete attempts after the first: newcomers, and survivors of a failed one
+    epochs: list[int] = field(default_factory=list)
 
 
 class WeightSender:
@@ -60,15 +93,25 @@ class WeightSender:
         self._flats: list[torch.Tensor] | None = None  # the last given snapshot (ZeRO-3)
         self.store = wg.open_store(cfg.host, cfg.port, is_master=True, timeout_s=cfg.timeout_s)
         self.port = self.store.port
+        # Our own client for the joined/abort keys: gloo's rendezvous blocks in `get` holding a client's lock.
+        self.control = wg.open_store(cfg.host, self.port, is_master=False, timeout_s=cfg.timeout_s)
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.epoch = 0
-        self.members: list[str] = []
-        self.membership = -1  # the hub's membership count when the group was formed
+        self.members: list[str] = []  # of `group`
         self.group: dist.ProcessGroup | None = None
+        self.graveyard = Graveyard()
+        self._hub: Hub | None = None
         self._thread: threading.Thread | None = None
-        self._error: str | None = None
-        self._last_s = 0.0
-        self._outcome: dict[str, float] = {}  # of the broadcast last joined, until `wait` reports it
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # membership changed, or stop
+        # Shared with the hub thread's membership listener, under _lock (never held while calling the hub).
+        self._lock = threading.Lock()
+        self._holds: dict[str, int] = {}  # actor -> the version it was given (this registration)
+        self._gens: Counter[str] = Counter()  # registrations and removals seen per actor id
+        self._group_stale = False  # a member of `group` left or re-registered: the next attempt needs a new epoch
+        self._attempt: Attempt | None = None
+        self._abort_why: str | None = None  # set when a member of the attempt in flight is removed
+        self._serving: Serving | None = None
         self._guarded = False
         self._guard_wait_s = 0.0
         self.log = get_logger()
@@ -79,7 +122,7 @@ class WeightSender:
         return cls(cfg, [n for n, _ in named], [list(p.shape) for _, p in named], dtype, params=[p for _, p in named])
 
     def guard(self, optimizer: Any) -> None:
-        """Broadcast from the parameters in place: `optimizer`'s step first waits for the broadcast in flight.
+        """Broadcast from the parameters in place: `optimizer`'s step first stops the serving thread.
 
         Pass the optimizer that writes the parameters; DeepSpeed's wrappers are unwrapped to the
         torch optimizer inside, whose step runs before ZeRO copies the new values into the
@@ -96,64 +139,48 @@ class WeightSender:
 
     def _join_timed(self) -> None:
         t0 = time.perf_counter()
-        self._join()
+        self._stop_serving()
         self._guard_wait_s += time.perf_counter() - t0
 
+    # ---- training thread --------------------------------------------------------------------------
     def sync(self, version: int, hub: Hub, snapshot: Snapshot | None = None) -> dict[str, float]:
-        """Start sending `version` to every live actor; returns how long the learner was held up.
+        """Start serving `version` to every live actor (and to any that joins until the next sync); returns
+        how long the learner was held up, and what serving the previous version took.
 
         `snapshot(out)`, required without `params`: copies the weights into one flat tensor per
         bucket of `self.ranges` (reusing `out`). It is collective under ZeRO-3 (every learner
         rank joins the gathers), so it runs on every sync, with or without members.
-
-        The broadcast runs in a background thread on a snapshot of the parameters, so the
-        next update overlaps it. That is safe for any max_staleness: the hub grants work
-        only to actors that report serving the current version. The next sync first
-        waits for this one (one collective sequence per group at a time).
+        The hub grants work only to actors that serve the current version, so an actor is
+        idle from this sync until its copy of `version` lands.
         """
         t0 = time.perf_counter()
         out = self.wait()
-        if snapshot is not None:  # reused across syncs; safe because wait() finished the broadcast that read them
+        self._watch(hub)
+        if snapshot is not None:  # reused across syncs; safe because wait() stopped the thread that read them
             self._flats = snapshot(self._flats)
-        members, membership = hub.members()
-        if not members:
-            out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": 0.0})
-            return out
-        if members != self.members or membership != self.membership or self.group is None:
-            self.epoch += 1
-            self.members, self.membership, self.group = members, membership, None
-            self.log.info("weights.new_group_epoch", epoch=self.epoch, members=members)
-        epoch, world = self.epoch, len(members) + 1
-
-        def make(actor_id: str, rank: int) -> m.WeightSync:
-            return m.WeightSync(
-                policy_version=version, group_epoch=epoch, store_host=self.cfg.host, store_port=self.port,
-                rank=rank, world_size=world, timeout_s=self.cfg.timeout_s, names=self.names,
-                shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
-
-        # The copies are reused across syncs; safe because wait() above finished the broadcast that read them.
-        if snapshot is not None:
             flats = self._flats
         else:
             assert self.buckets is not None, "WeightSender without params needs a snapshot"
             flats = None if self._guarded else self.buckets.snapshot()
-        hub.send_weight_sync(members, make)
-        self._thread = threading.Thread(target=self._broadcast, args=(flats, epoch, world), name="fleetrl-weights", daemon=True)
+        members = hub.live_actors()
+        self._serving = Serving(version=version)
+        first = self._begin(version, members) if members else None  # WeightSync goes out before sync returns
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._serve, args=(version, flats, first), name="fleetrl-weights", daemon=True)
         self._thread.start()
         out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": float(len(members))})
         return out
 
-    def prime(self, snapshot: Snapshot) -> None:
-        """Take the snapshot (collective under ZeRO-3) without sending it: at start, so `resend` has weights to send."""
-        assert self._thread is None, "a broadcast may be reading the snapshot"
-        self._flats = snapshot(self._flats)
-
-    def resend(self, version: int, hub: Hub) -> dict[str, float]:
-        """Send `version` again, as it is: the last snapshot (ZeRO-3), or the parameters, which nothing
-        changes while the learner waits for rollouts. No collective: the other learner ranks are not involved.
-        Under ZeRO-3 a snapshot must be held (a sync or `prime` ran)."""
-        assert self.buckets is not None or self._flats is not None, "resend under ZeRO-3 before any snapshot: prime() first"
-        return self.sync(version, hub, (lambda flats: flats) if self.buckets is None else None)
+    def start(self, version: int, hub: Hub, snapshot: Snapshot | None = None) -> None:
+        """At learner start: take the first snapshot (collective under ZeRO-3: the other ranks join it at
+        start) and, if `version` > 0 (a resumed learner), serve it to every actor that registers: they
+        come back serving -1 (actors/main.py), and the hub grants only to actors serving `version`.
+        Version 0 is what every actor loads from model.path: nothing to send."""
+        assert self._thread is None, "start() runs once, before any sync"
+        if snapshot is not None:
+            self._flats = snapshot(self._flats)
+        if version > 0:
+            self.sync(version, hub, None if snapshot is None else (lambda flats: flats))
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The last snapshot as named full tensors (views of the buckets), for a checkpoint; None without one."""
@@ -166,38 +193,175 @@ class WeightSender:
         return out
 
     def wait(self) -> dict[str, float]:
-        """Finish the broadcast in flight; report its duration, or its failure, and any wait the guard imposed."""
-        self._join()
-        out, self._outcome = self._outcome, {}
+        """Stop serving (an attempt in flight finishes first); report what serving the last version took."""
+        self._stop_serving()
+        out: dict[str, float] = {}
+        s, self._serving = self._serving, None
+        if s is not None:
+            if s.broadcast_s is not None:
+                out["time/broadcast"] = s.broadcast_s
+            if s.failed:
+                out["weights/failed"] = float(s.failed)
+            if s.catchups:
+                out["weights/catchups"] = float(s.catchups)
+            out["weights/epoch"] = float(self.epoch)
         if self._guarded:
             out["time/weight_guard_wait"], self._guard_wait_s = self._guard_wait_s, 0.0
         return out
 
-    def _join(self) -> None:
+    def _stop_serving(self) -> None:
         if self._thread is None:
             return
+        self._stop.set()
+        self._wake.set()
         self._thread.join()
         self._thread = None
-        if self._error is not None:
-            self.log.error("weights.broadcast_failed", epoch=self.epoch, error=self._error)
-            self._error, self.group, self.members = None, None, []  # the next sync forms a new epoch
-            self._outcome = {"weights/failed": 1.0}
-        else:
-            self._outcome = {"time/broadcast": self._last_s}
 
-    def _broadcast(self, flats: list[torch.Tensor] | None, epoch: int, world: int) -> None:
+    def _watch(self, hub: Hub) -> None:
+        if self._hub is None:
+            self._hub = hub
+            hub.add_membership_listener(self._on_membership)
+        assert self._hub is hub, "one sender serves one hub"
+
+    # ---- hub thread (under the hub's lock: set flags, nothing more) -------------------------------
+    def _on_membership(self, actor_id: str, joined: bool) -> None:
+        with self._lock:
+            self._gens[actor_id] += 1
+            self._holds.pop(actor_id, None)
+            if actor_id in self.members:
+                self._group_stale = True
+            att = self._attempt
+            if not joined and att is not None and actor_id in att.members and self._abort_why is None:
+                self._abort_why = f"member {actor_id} was removed by the hub"
+        self._wake.set()
+
+    # ---- serving thread ---------------------------------------------------------------------------
+    def _serve(self, version: int, flats: list[torch.Tensor] | None, attempt: Attempt | None) -> None:
+        retry_at, unexplained = 0.0, 0
+        while True:
+            if attempt is not None:
+                if self._run(attempt, flats):
+                    unexplained = 0
+                elif self._abort_why is None:  # e.g. gloo saw a peer close before the hub did: give the hub a moment
+                    unexplained += 1
+                    retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_S * 2 ** (unexplained - 1))
+                attempt = None
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            need = self._lacking(version)
+            wait_s = retry_at - time.monotonic()
+            if need and wait_s <= 0:
+                attempt = self._begin(version, need)
+                continue
+            if self._wake.wait(wait_s if need else None):
+                retry_at = 0.0  # membership changed (the hub removed someone): retry now
+
+    def _lacking(self, version: int) -> list[str]:
+        assert self._hub is not None
+        live = self._hub.live_actors()
+        with self._lock:
+            return [a for a in live if self._holds.get(a) != version]
+
+    def _begin(self, version: int, members: list[str]) -> Attempt:
+        """Pick the group epoch for `members` and send each its WeightSync."""
+        assert self._hub is not None
+        with self._lock:
+            reuse = self.group is not None and not self._group_stale and members == self.members
+            if not reuse:
+                # The old group has nothing in flight (a failed attempt already dropped it): it can go.
+                self.group, self.members, self._group_stale = None, list(members), False
+                self.epoch += 1
+            att = Attempt(version=version, epoch=self.epoch, members=list(members), new_group=not reuse,
+                          gens={a: self._gens[a] for a in members})
+            self._attempt, self._abort_why = att, None
+        if att.new_group:
+            self.log.info("weights.new_group_epoch", epoch=att.epoch, members=att.members, version=version)
+        world = len(members) + 1
+
+        def make(actor_id: str, rank: int) -> m.WeightSync:
+            return m.WeightSync(
+                policy_version=version, group_epoch=att.epoch, store_host=self.cfg.host, store_port=self.port,
+                rank=rank, world_size=world, timeout_s=self.cfg.timeout_s, names=self.names,
+                shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
+
+        self._hub.send_weight_sync(members, make)
+        gone = set(members) - set(self._hub.live_actors())  # removed before the attempt was registered above
+        if gone:
+            with self._lock:
+                self._abort_why = self._abort_why or f"{sorted(gone)} removed before the attempt began"
+        return att
+
+    def _run(self, att: Attempt, flats: list[torch.Tensor] | None) -> bool:
+        """One attempt; True when every member holds att.version. A failure gives the epoch up."""
+        assert self._serving is not None
+        waits = Abortable(should_abort=lambda: self._abort_why, timeout_s=self.cfg.timeout_s, graveyard=self.graveyard, poll_s=POLL_S)
         t0 = time.perf_counter()
         try:
-            # Milliseconds normally; a dead member blocks it up to weights.timeout_s, and then it says so.
-            with phase(self.log, "weights.broadcast", quiet=True, epoch=epoch, members=world - 1):
-                if self.group is None:
-                    self.group = wg.open_group(self.store, self.cfg.host, epoch, 0, world, self.cfg.timeout_s, self.backend)
+            # Milliseconds normally; a member that dies ends it within POLL_S of the hub noticing.
+            with phase(self.log, "weights.broadcast", quiet=True, epoch=att.epoch, members=len(att.members), version=att.version):
+                if self._abort_why is not None:
+                    raise Aborted(self._abort_why)
+                group = self.group
+                if att.new_group:
+                    self._await_joins(att)
+                    group = waits.call(lambda: self._build(att), "join")
+                    with self._lock:
+                        self.group = group
+                assert group is not None
                 if self.buckets is None:
                     assert flats is not None
                     for flat in flats:
-                        wg.broadcast(self.group, flat)
+                        waits.broadcast(group, flat)
                 else:
-                    self.buckets.send(self.group, flats)  # guarded (flats None): the parameters wait for this thread
-        except RuntimeError as e:  # gloo/NCCL raise RuntimeError (DistBackendError) on timeout or a dead peer
-            self._error = str(e)
-        self._last_s = time.perf_counter() - t0
+                    self.buckets.send(group, flats, bcast=waits.broadcast)  # guarded (flats None): the step waits for this thread
+        except RuntimeError as e:  # Aborted; gloo's DistBackendError (a peer closed, a timeout)
+            self._give_up(att, e, time.perf_counter() - t0)
+            return False
+        finally:
+            with self._lock:
+                self._attempt = None
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            for a in att.members:
+                if self._gens[a] == att.gens[a]:  # still the registration it was sent to
+                    self._holds[a] = att.version
+        s = self._serving
+        if s.broadcast_s is None:
+            s.broadcast_s = elapsed
+        else:
+            s.catchups += 1
+            self.log.info("weights.caught_up", version=att.version, epoch=att.epoch, members=att.members, seconds=round(elapsed, 3))
+        s.epochs.append(att.epoch)
+        return True
+
+    def _await_joins(self, att: Attempt) -> None:
+        """Until every member has set its joined key; a member that never does is evicted from the hub."""
+        assert self._hub is not None
+        keys = {a: joined_key(att.epoch, rank) for rank, a in enumerate(att.members, start=1)}
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not self.control.check(list(keys.values())):
+            if self._abort_why is not None:
+                raise Aborted(self._abort_why)
+            if time.monotonic() > deadline:
+                missing = [a for a, k in keys.items() if not self.control.check([k])]
+                why = f"did not join weight group epoch {att.epoch} within weights.timeout_s = {self.cfg.timeout_s} s"
+                for a in missing:
+                    self._hub.evict(a, why)
+                raise Aborted(f"{missing} {why}")
+            time.sleep(JOIN_POLL_S)
+
+    def _build(self, att: Attempt) -> dist.ProcessGroup:
+        # A store client of its own: an abandoned rendezvous keeps blocking in it until its timeout.
+        store = wg.open_store(self.cfg.host, self.port, is_master=False, timeout_s=self.cfg.timeout_s)
+        return wg.open_group(store, self.cfg.host, att.epoch, 0, len(att.members) + 1, self.cfg.timeout_s, self.backend)
+
+    def _give_up(self, att: Attempt, error: RuntimeError, elapsed: float) -> None:
+        """Tell the members the epoch is over (before returning: the optimizer may write the parameters next)."""
+        assert self._serving is not None
+        self.control.set(abort_key(att.epoch), str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+        with self._lock:
+            self.group, self.members = None, []  # an operation still in flight lives on in the graveyard
+        self._serving.failed += 1
+        self.log.warning("weights.attempt_failed", epoch=att.epoch, version=att.version, members=att.members,
+                         seconds=round(elapsed, 3), error=(str(error).splitlines() or [type(error).__name__])[0][:300])

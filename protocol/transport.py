@@ -23,6 +23,9 @@ one of its messages reaches the hub, and nothing is ever sent to it.
 
 from __future__ import annotations
 
+import typing
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import zmq
@@ -88,19 +91,52 @@ def ops_socket(ctx: zmq.Context, connect: str, max_frame_bytes: int = 16 << 20, 
 actor_socket = client_socket  # the name existing callers use
 
 
+async def socket_events(sock: zmq.asyncio.Socket, events: int) -> AsyncGenerator[dict[str, Any], None]:
+    """Yield `sock`'s monitor events of the mask `events` (parsed: "event", "value", "endpoint").
+
+    libzmq allows one monitor per socket (a second replaces the first), so a client that must
+    hear several kinds of event watches them all here, with one mask.
+    """
+    monitor = sock.get_monitor_socket(events)
+    try:
+        while True:
+            yield dict(parse_monitor_message(await monitor.recv_multipart()))
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+
+
 async def refused(sock: zmq.asyncio.Socket) -> int:
     """Wait until the hub refuses this client's CURVE key; returns the ZAP status (400).
 
     libzmq does not reconnect after a refused handshake: the socket is dead from then on, and a
     client that kept waiting on it would hang in silence. Run this beside the client and stop on it.
     """
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    async with aclosing(socket_events(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH)) as events:
+        return int((await anext(events))["value"])
+
+
+def watch_disconnects(sock: zmq.Socket) -> zmq.Socket:
+    """A PAIR socket that receives `sock`'s EVENT_DISCONNECTED events (read them with `disconnected_fds`)."""
+    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+
+def disconnected_fds(monitor: zmq.Socket) -> list[int]:
+    """The fds of the connections closed since the last call (non-blocking; `monitor` is a plain, not asyncio, socket)."""
+    fds = []
+    while typing.cast(int, monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # EVENTS also processes libzmq's pending commands
+        event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            fds.append(int(event["value"]))
+    return fds
+
+
+def peer_fd(frame: zmq.Frame) -> int | None:
+    """The fd of the connection a received frame came on (ZMQ_SRCFD: deprecated by libzmq, still served by 4.3)."""
     try:
-        event = parse_monitor_message(await monitor.recv_multipart())
-        return int(event["value"])
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
 
 
 async def send(sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = None, flags: int = 0) -> None:

@@ -13,6 +13,7 @@ side of a bucket (which memory it is sent from) is learner/weight_buckets.py.
 
 Failure mode: a collective with a dead member blocks until `timeout` and then
 raises; the caller must treat the whole group as broken and form a new epoch.
+protocol/abortable.py waits so that an abort ends that sooner, on both sides.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 import socket
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -117,13 +118,15 @@ def landing_numel(shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int
 
 def receive_buckets(
     group: dist.ProcessGroup, names: list[str], shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int,
-    buffer: torch.Tensor | None = None,
+    buffer: torch.Tensor | None = None, bcast: Callable[[dist.ProcessGroup, torch.Tensor], None] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Other ranks: yield each received bucket as (name, tensor view) pairs, in broadcast order.
 
     Every bucket lands in one reused `buffer` (allocated here if missing or too small), so the
     views are valid only until the next bucket is requested: load them before asking for more.
+    `bcast` receives one bucket (default `broadcast`; protocol/abortable.py's gives up on an abort).
     """
+    bcast = bcast or broadcast
     itemsize = torch.tensor([], dtype=dtype).element_size()
     buckets = plan_buckets(shapes, itemsize, bucket_bytes)
     numels = bucket_numels(shapes, buckets)
@@ -131,5 +134,5 @@ def receive_buckets(
         buffer = torch.empty(max(numels, default=0), dtype=dtype)
     for bucket, numel in zip(buckets, numels, strict=True):
         flat = buffer[:numel]
-        broadcast(group, flat)
+        bcast(group, flat)
         yield list(zip([names[i] for i in bucket], split_bucket(flat, [shapes[i] for i in bucket]), strict=True))

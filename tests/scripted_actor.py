@@ -40,6 +40,7 @@ class ScriptedActor:
         self.target_version = 0  # set by the test when the learner steps (stands in for the weight sync)
         self.sent = 0
         self.stop = threading.Event()
+        self.quiet = threading.Event()  # stop working but stay connected (a closed connection is removed at once)
         self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
 
     def start(self):
@@ -80,6 +81,11 @@ class ScriptedActor:
 
         last_beat = time.monotonic()
         while not self.stop.is_set():
+            if self.quiet.is_set():
+                for t in tasks:
+                    t.cancel()
+                await asyncio.sleep(0.01)
+                continue
             if self.heartbeat_s and time.monotonic() - last_beat > self.heartbeat_s:
                 last_beat = time.monotonic()
                 await transport.send(sock, m.Heartbeat(actor_id=self.actor_id, served_version=self.served, groups_in_flight=0))

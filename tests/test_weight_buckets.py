@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
+from actors.weight_receiver import WeightReceiver
 from learner.weight_buckets import Buckets
 from learner.weight_sync import WeightSender
-from protocol import weights as wg
 from protocol.config import WeightsConfig
 
 SHAPES = [[64, 32], [32], [128, 64], [7], [256, 256]]
@@ -81,21 +81,26 @@ class ThreadHub:
     def __init__(self):
         self.sent = []
 
-    def members(self):
-        return ["receiver"], 0  # and the membership count, which never changes here
+    def live_actors(self):
+        return ["receiver"]
 
     def send_weight_sync(self, members, make):
         self.sent.extend(make(a, rank) for rank, a in enumerate(members, start=1))
 
+    def add_membership_listener(self, fn):
+        pass  # the receiver neither joins late nor dies here
+
+    def evict(self, actor_id, why):
+        raise AssertionError(f"{actor_id} evicted: {why}")
+
 
 def receive(msg, go, out, delay_s=0.0):
-    """The actor worker's side (actors/worker_ext.py without vLLM): join, land each bucket, keep a copy."""
+    """The actor worker's side (actors/weight_receiver.py, as in the vLLM worker): join, land each bucket, keep a copy."""
     go.wait(30)  # joins only once the learner's optimizer step has begun: the broadcast is surely still in flight
     time.sleep(delay_s)  # a slow receiver: an unguarded step would have written the parameters by now
-    store = wg.open_store(msg.store_host, msg.store_port, is_master=False, timeout_s=msg.timeout_s)
-    group = wg.open_group(store, "127.0.0.1", msg.group_epoch, msg.rank, msg.world_size, msg.timeout_s)
-    for pairs in wg.receive_buckets(group, msg.names, msg.shapes, wg.DTYPES[msg.dtype], msg.bucket_bytes):
-        out.update({name: t.clone() for name, t in pairs})
+    fields = {f: getattr(msg, f) for f in msg.__dataclass_fields__}
+    result = WeightReceiver().receive(fields, lambda pairs: out.update({name: t.clone() for name, t in pairs}))
+    assert "error" not in result, result
 
 
 @pytest.mark.parametrize("guarded", [True, False])

@@ -26,11 +26,17 @@ class DirectHub:
         self.names = members
         self.sent = []
 
-    def members(self):
-        return self.names, 0  # and the membership count, which never changes here
+    def live_actors(self):
+        return self.names
 
     def send_weight_sync(self, members, make):
         self.sent.extend(make(a, rank) for rank, a in enumerate(members, start=1))
+
+    def add_membership_listener(self, fn):
+        pass  # nobody joins or dies here (tests/test_weight_death.py covers that)
+
+    def evict(self, actor_id, why):
+        raise AssertionError(f"{actor_id} evicted: {why}")
 
 
 def learner_logprobs(model, prompt, completion, temperature):
@@ -112,7 +118,7 @@ def test_logprobs_match_after_sync(setup):
     # ZeRO-3's path: no parameters held here; each sync is handed a snapshot of the buckets (Trainer.snapshot).
     params = [p for _, p in model.named_parameters()]
     shards = WeightSender(cfg.weights, sender.names, sender.shapes, "float32")
-    shards.store, shards.port = sender.store, sender.port  # one learner has one rendezvous and one epoch count
+    shards.store, shards.port, shards.control = sender.store, sender.port, sender.control  # one learner has one rendezvous and one epoch count
     shards.epoch = sender.epoch
     snapshot = lambda out: [torch.cat([params[i].detach().reshape(-1) for i in r]) for r in shards.ranges]  # noqa: E731
     msg, _ = _sync(cfg, engine, shards, hub, 2, loop, snapshot)

@@ -1,0 +1,111 @@
+"""An actor's side of the weight group: join the epoch a WeightSync names, receive its buckets, load them.
+
+Runs in vLLM's worker process (actors/worker_ext.py hands it the model's `load_weights`);
+nothing here needs vLLM, so tests drive it in plain processes.
+
+A failure is reported, never raised, and leaves no group behind: the learner forms a new
+epoch and sends again. Whatever ends a receive, it ends soon (protocol/abortable.py):
+- the learner gave the epoch up (a member died): its `abort` key is set; seen within `poll_s`;
+- a peer closed its connection (gloo raises at once), or the weight store is gone (the learner died);
+- nothing arrives for `timeout_s`.
+`buckets_loaded` > 0 in a failure means the model now holds parts of two versions: the caller
+must not generate with it until a complete sync lands (actors/engine.py keeps the engine paused).
+A receive that completes but whose epoch was given up meanwhile counts as failed too: after
+giving up, the learner lets the optimizer write the parameters, and an abandoned send can
+still deliver those torn bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from protocol import weights as wg
+from protocol.abortable import Abortable, Aborted, Graveyard, abort_key, joined_key
+from protocol.net import local_addr_towards
+
+Load = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+class WeightReceiver:
+    def __init__(self, poll_s: float = 0.05):
+        self.poll_s = poll_s
+        self.group: dist.ProcessGroup | None = None
+        self.joined: tuple[str, int, int] | None = None  # (store host, port, epoch) of `group`: a restarted learner counts epochs from 1 again
+        self.control: dist.TCPStore | None = None  # our own store client for the joined/abort keys (see protocol/abortable.py)
+        self.control_at: tuple[str, int] | None = None
+        self.buffer: torch.Tensor | None = None  # one landing buffer kept across syncs (fresh memory page-faults on first touch)
+        self.graveyard = Graveyard()
+
+    def receive(self, sync: dict[str, Any], load: Load) -> dict[str, Any]:
+        """Join `sync["group_epoch"]` if it is new, receive every bucket into `load`; a failure comes back as `error`."""
+        t0 = time.perf_counter()
+        epoch, loaded = sync["group_epoch"], 0
+        try:
+            control = self._control(sync)
+            waits = Abortable(should_abort=lambda: _given_up(control, epoch), timeout_s=sync["timeout_s"],
+                              graveyard=self.graveyard, poll_s=self.poll_s)
+            if (why := waits.should_abort()) is not None:  # queued behind a sync that failed: the epoch is already over
+                raise Aborted(f"epoch {epoch}: {why}")
+            group = self._join(sync, control, waits)
+            t_join = time.perf_counter()
+            dtype = wg.DTYPES[sync["dtype"]]
+            need = wg.landing_numel(sync["shapes"], dtype, sync["bucket_bytes"])
+            if self.buffer is None or self.buffer.dtype != dtype or self.buffer.numel() < need:
+                self.buffer = torch.empty(need, dtype=dtype)
+            for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], dtype, sync["bucket_bytes"], self.buffer,
+                                            bcast=waits.broadcast):
+                load(pairs)
+                loaded += 1
+            if (why := waits.should_abort()) is not None:
+                raise Aborted(f"epoch {epoch} given up after the last bucket arrived (it may be torn): {why}")
+        except RuntimeError as e:  # Aborted; gloo's DistBackendError (peer gone, timeout); DistStoreError (learner gone)
+            self.leave(drop_store=not isinstance(e, Aborted))
+            first_line = (str(e).splitlines() or [type(e).__name__])[0]
+            return {"error": first_line[:500], "buckets_loaded": loaded, "failed_after_s": time.perf_counter() - t0}
+        return {"join_s": t_join - t0, "recv_load_s": time.perf_counter() - t_join}
+
+    def leave(self, drop_store: bool = False) -> None:
+        """Drop the group (its abandoned operations live on in the graveyard) and the landing buffer they may still write."""
+        self.group, self.joined, self.buffer = None, None, None
+        if drop_store:
+            self.control, self.control_at = None, None
+        self.graveyard.prune()
+
+    def _control(self, sync: dict[str, Any]) -> dist.TCPStore:
+        at = (sync["store_host"], sync["store_port"])
+        if self.control is None or self.control_at != at:
+            self.control = wg.open_store(at[0], at[1], is_master=False, timeout_s=sync["timeout_s"])
+            self.control_at = at
+        return self.control
+
+    def _join(self, sync: dict[str, Any], control: dist.TCPStore, waits: Abortable) -> dist.ProcessGroup:
+        host, port, epoch = sync["store_host"], sync["store_port"], sync["group_epoch"]
+        if self.group is not None and self.joined == (host, port, epoch):
+            return self.group
+        self.leave()
+        control.set(joined_key(epoch, sync["rank"]), "1")
+        bind = local_addr_towards(host, port)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+
+        def build() -> dist.ProcessGroup:
+            # Its own store client: gloo's rendezvous blocks in `get` while a member is missing, holding the client.
+            store = wg.open_store(host, port, is_master=False, timeout_s=sync["timeout_s"])
+            return wg.open_group(store, bind, epoch, sync["rank"], sync["world_size"], sync["timeout_s"], backend)
+
+        self.group = waits.call(build, "join")
+        self.joined = (host, port, epoch)
+        return self.group
+
+
+def _given_up(control: dist.TCPStore, epoch: int) -> str | None:
+    try:
+        if control.check([abort_key(epoch)]):
+            return f"the learner gave epoch {epoch} up ({control.get(abort_key(epoch)).decode(errors='replace')})"
+    except RuntimeError as e:  # DistStoreError / DistNetworkError: the learner's store is gone
+        return f"weight store unreachable: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    return None

@@ -1,0 +1,131 @@
+"""Weight-group waits that a dead or hung member cannot stretch to the timeout.
+
+How gloo fails (torch 2.13, measured on this machine): a broadcast to a member that
+was SIGKILLed fails at once on the sender ("Connection closed by peer"), but the
+other receivers keep waiting for their data until `weights.timeout_s`; a member that
+is alive but stuck (SIGSTOP, a wedged worker) blocks the sender until the timeout.
+`ProcessGroupGloo.abort()` and `shutdown()` return at once and release neither wait,
+and destroying a group with an operation in flight blocks in its destructor until
+that operation ends. A blocking TCPStore `get` holds the store client's lock, so
+another call on the same client waits behind it.
+
+So nothing here waits inside gloo or on a shared store client:
+- every wait is on an Event set by the operation's completion, re-checked against
+  `should_abort` every `poll_s`; an aborted operation is abandoned, not cancelled.
+  gloo finishes it (or times it out) on its own thread, so the group and the tensor
+  stay referenced in a `Graveyard` until then: neither may be reused meanwhile;
+- a blocking call (building a group: gloo's rendezvous) runs on a helper thread
+  with its own store client, and is abandoned the same way.
+
+Each group epoch has two keys of our own in the store, beside gloo's:
+  joined/<rank>  set by a member just before it builds the group: rank 0 can name who never came;
+  abort          set by rank 0 when it gives the epoch up: members stop waiting, drop the group, and
+                 discard what they received (it may be torn: rank 0 lets the optimizer write the
+                 parameters once it has given up, and an abandoned send can still deliver later).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class Aborted(RuntimeError):
+    """A weight-group wait was given up: a member is gone, rank 0 gave the epoch up, or the deadline passed."""
+
+
+def epoch_key(epoch: int, name: str) -> str:
+    """A key of group epoch `epoch` in the weight store (beside gloo's own, which live under the same prefix)."""
+    return f"fleetrl-weights/epoch-{epoch}/{name}"
+
+
+def joined_key(epoch: int, rank: int) -> str:
+    return epoch_key(epoch, f"joined/{rank}")
+
+
+def abort_key(epoch: int) -> str:
+    return epoch_key(epoch, "abort")
+
+
+@dataclass(slots=True)
+class Graveyard:
+    """Abandoned operations and what they hold, kept until gloo is done with them.
+
+    Dropping the last reference to a group with an operation in flight would block the
+    dropping thread in the group's destructor until that operation times out.
+    """
+
+    _graves: list[tuple[Any, list[torch.futures.Future]]] = field(default_factory=list)
+
+    def keep(self, holding: Any, pending: list[torch.futures.Future]) -> None:
+        self._graves.append((holding, pending))
+        self.prune()
+
+    def prune(self) -> None:
+        self._graves = [(h, p) for h, p in self._graves if not all(f.done() for f in p)]
+
+    def __len__(self) -> int:
+        return len(self._graves)
+
+
+@dataclass(kw_only=True, slots=True)
+class Abortable:
+    """How one side waits on a weight-group epoch: `should_abort()` names a reason to give up, or None."""
+
+    should_abort: Callable[[], str | None]
+    timeout_s: float  # a single wait fails after this long (the same bound gloo applies itself)
+    graveyard: Graveyard
+    poll_s: float = 0.05  # how often a long wait re-checks should_abort: the latency of an abort
+
+    def wait(self, done: threading.Event, what: str) -> None:
+        """Until `done` is set; raises Aborted when should_abort() says so or the timeout passes."""
+        deadline = time.monotonic() + self.timeout_s
+        while not done.wait(self.poll_s):
+            why = self.should_abort()
+            if why is not None:
+                raise Aborted(f"{what}: {why}")
+            if time.monotonic() > deadline:
+                raise Aborted(f"{what}: not done after {self.timeout_s} s")
+
+    def broadcast(self, group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+        """Broadcast from rank 0 in place, abortably; raises RuntimeError (gloo's) or Aborted."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        work = group.broadcast([tensor], opts)
+        future = work.get_future()
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        try:
+            self.wait(done, "broadcast")
+        except Aborted:
+            self.graveyard.keep((group, tensor), [future])
+            raise
+        work.wait()  # already complete: raises the error it ended with (a peer closed the connection)
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """`fn()` on a helper thread; raises Aborted (abandoning the thread) or whatever fn raised."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller, who decides
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"fleetrl-{what}", daemon=True).start()
+        self.wait(done, what)
+        if "error" in box:
+            raise box["error"]
+        return box["value"]

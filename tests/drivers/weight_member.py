@@ -1,0 +1,115 @@
+"""A weight-group member without an engine: the actor's protocol and its real receiver, for the death tests.
+
+    python tests/drivers/weight_member.py tcp://HUB ACTOR_ID [--block-at V] [--die-on-sync V]
+
+Registers with the hub, heartbeats, and applies every WeightSync with actors/weight_receiver.py
+(the code the vLLM worker runs), on a thread of its own so heartbeats go on meanwhile, one sync at
+a time, in order, as the actor does. Prints one JSON line per event on stdout:
+  {"event": "registered"} | {"event": "blocked", "version": V}
+  {"event": "synced", "version", "epoch", "digest", "seconds"}   digest: sha1 of every received tensor's bytes, in order
+  {"event": "failed", "version", "epoch", "error", "buckets_loaded", "seconds"}
+Fault injection: --block-at V stops inside the load of V's first bucket (so the broadcast is stuck
+mid-way until the test kills this process); --die-on-sync V SIGKILLs itself when V's WeightSync arrives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from actors.weight_receiver import WeightReceiver  # noqa: E402
+from protocol import messages as m  # noqa: E402
+from protocol.codec import decode, encode  # noqa: E402
+
+
+def say(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("hub")
+    p.add_argument("actor_id")
+    p.add_argument("--block-at", type=int, default=-1)
+    p.add_argument("--die-on-sync", type=int, default=-1)
+    p.add_argument("--heartbeat-s", type=float, default=0.2)
+    args = p.parse_args()
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(args.hub)
+    receiver = WeightReceiver()
+    syncs: queue.Queue[m.WeightSync] = queue.Queue()
+    done: queue.Queue[m.WeightVersion] = queue.Queue()
+    served = 0
+
+    def loader(sync: m.WeightSync, digest) -> Callable[[list], None]:
+        first = [True]
+
+        def load(pairs) -> None:
+            if first[0] and sync.policy_version == args.block_at:
+                say(event="blocked", version=sync.policy_version)
+                time.sleep(3600)
+            first[0] = False
+            for _, t in pairs:
+                digest.update(t.contiguous().view(-1).numpy().tobytes())
+
+        return load
+
+    def apply_syncs() -> None:
+        while True:
+            sync = syncs.get()
+            digest = hashlib.sha1()
+            t0 = time.perf_counter()
+            fields = {f: getattr(sync, f) for f in sync.__dataclass_fields__}
+            result = receiver.receive(fields, loader(sync, digest))
+            seconds = round(time.perf_counter() - t0, 3)
+            if "error" in result:
+                say(event="failed", version=sync.policy_version, epoch=sync.group_epoch, error=result["error"],
+                    buckets_loaded=result["buckets_loaded"], seconds=seconds)
+                continue
+            say(event="synced", version=sync.policy_version, epoch=sync.group_epoch, digest=digest.hexdigest(), seconds=seconds)
+            done.put(m.WeightVersion(actor_id=args.actor_id, served_version=sync.policy_version, group_epoch=sync.group_epoch, load_s=seconds))
+
+    threading.Thread(target=apply_syncs, daemon=True).start()
+    sock.send_multipart(encode(m.Register(actor_id=args.actor_id, host="test", pid=os.getpid(), served_version=0)))
+    last_beat = time.monotonic()
+    while True:
+        while not done.empty():
+            loaded = done.get()
+            served = max(served, loaded.served_version)
+            sock.send_multipart(encode(loaded))
+        if time.monotonic() - last_beat > args.heartbeat_s:
+            last_beat = time.monotonic()
+            sock.send_multipart(encode(m.Heartbeat(actor_id=args.actor_id, served_version=served, groups_in_flight=0)))
+        if not sock.poll(20):
+            continue
+        msg = decode(sock.recv_multipart())
+        if isinstance(msg, m.RegisterAck):
+            say(event="registered")
+        elif isinstance(msg, m.WeightSync):
+            if msg.policy_version == args.die_on_sync:
+                os.kill(os.getpid(), signal.SIGKILL)
+            syncs.put(msg)
+        elif isinstance(msg, m.Shutdown):
+            return
+        elif isinstance(msg, m.Error):
+            say(event="hub_error", code=msg.code, detail=msg.detail)
+
+
+if __name__ == "__main__":
+    main()

@@ -203,6 +203,11 @@ class Actor:
                 self.log.info("actor.shutdown_requested", reason=msg.reason)
                 self.stop.set()
             elif isinstance(msg, m.Error):
+                if msg.code == "id_taken":  # final: another node holds this id under its own key
+                    self.log.error("actor.id_taken", actor=self.actor_id, detail=msg.detail)
+                    self.exit_code = 1
+                    self.stop.set()
+                    return
                 self.log.warning("actor.hub_error", code=msg.code, detail=msg.detail)
                 if msg.code == "unknown_actor" and self.registered.is_set():
                     self._lost_learner("unknown to the learner")  # it restarted or dropped us: join again

@@ -7,6 +7,7 @@
     fleetrl plan    CONFIG [section.field=value ...]      placement, batch arithmetic, run length, memory; starts nothing
     fleetrl ctl     --learner tcp://HOST:PORT set max_staleness K     change a running learner's setting
     fleetrl status  --learner tcp://HOST:PORT [--once]                  live view of the learner and its actors
+                    (both: --server-key F --client-key F for a hub with CURVE on)
     fleetrl keys    --out DIR [--client NAME ...]          CURVE keys: the learner's pair, one pair per client
 """
 
@@ -112,6 +113,8 @@ def _add_ops_commands(sub) -> None:
     for p in (p_ctl, p_status):
         p.add_argument("--learner", required=True, help="hub address, tcp://HOST:PORT")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the learner's reply")
+        p.add_argument("--server-key", default="", help="the learner's public key file (KEYS/server.key), when CURVE is on")
+        p.add_argument("--client-key", default="", help="this operator's key pair file (KEYS/clients/NAME.key_secret)")
     p_ctl.add_argument("action", choices=["set"])
     p_ctl.add_argument("key", choices=CONTROL_KEYS)
     p_ctl.add_argument("value", type=int)
@@ -123,13 +126,21 @@ def _run_ops(args) -> int:
     if not args.learner.startswith("tcp://"):
         print(f"fleetrl: --learner {args.learner!r}: expected tcp://HOST:PORT", file=sys.stderr)
         return 2
+    from protocol.auth import ops_client_keys
+    from protocol.config import ConfigError
+
+    try:
+        keys = ops_client_keys(args.learner, args.server_key, args.client_key)
+    except ConfigError as e:
+        print(f"fleetrl {args.command}: {e}", file=sys.stderr)
+        return 2
     if args.command == "ctl":
         from deploy.ctl import run_ctl
 
-        return run_ctl(args.learner, args.action, args.key, args.value, args.timeout)
+        return run_ctl(args.learner, args.action, args.key, args.value, args.timeout, keys)
     from deploy.status import run_status
 
-    return run_status(args.learner, args.once, args.interval, args.timeout)
+    return run_status(args.learner, args.once, args.interval, args.timeout, keys)
 
 
 def _keys(out: str, clients: list[str]) -> int:

@@ -1,9 +1,10 @@
 """`fleetrl ctl`: change a setting of a running learner over its hub socket.
 
-    fleetrl ctl --learner tcp://HOST:PORT set max_staleness 2
+    fleetrl ctl --learner tcp://HOST:PORT [--server-key F --client-key F] set max_staleness 2
 
 One request, one reply (protocol.messages.ControlRequest / ControlReply). Exit status:
-0 applied, 1 refused or no answer (the message says which), 2 usage error.
+0 applied, 1 refused or no answer (the message says which), 2 usage error (bad keys included).
+A hub with CURVE on admits an operator only with an authorised key, as it does an actor.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import sys
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol import messages as m
 from protocol import transport
+from protocol.auth import ClientKeys
 from protocol.codec import decode, encode
 
 
@@ -21,33 +24,46 @@ class NoReply(RuntimeError):
     """The hub did not answer in time: wrong address, learner not running, or not reachable."""
 
 
-def request(addr: str, msg: m.Message, timeout_s: float = 5.0) -> m.Message:
+def request(addr: str, msg: m.Message, timeout_s: float = 5.0, keys: ClientKeys | None = None) -> m.Message:
     """Send one request to the hub at `addr` and return its validated reply (an Error reply included)."""
     ctx = zmq.Context()
-    sock = transport.ops_socket(ctx, addr)
+    sock = transport.ops_socket(ctx, addr, keys=keys)
+    # A refused CURVE key is otherwise indistinguishable from a learner that is not there: watch for it.
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     try:
         sock.send_multipart(encode(msg), copy=False)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         # ZeroMQ connects lazily and queues the request, so a missing learner shows up only as silence.
-        if not sock.poll(int(timeout_s * 1000)):
-            raise NoReply(f"no reply from {addr} in {timeout_s:g} s; is the learner running there (hub.bind)?")
+        ready = dict(poller.poll(int(timeout_s * 1000)))
+        if monitor in ready and sock not in ready:
+            status = parse_monitor_message(monitor.recv_multipart())["value"]
+            raise NoReply(f"{addr} refused this client's key (ZAP status {status}); add its public key to the learner's "
+                          "auth.authorized folder (`fleetrl keys --client NAME` writes one)")
+        if sock not in ready:
+            hint = "" if keys is not None else " A hub with CURVE on answers only clients with keys (--server-key, --client-key)."
+            raise NoReply(f"no reply from {addr} in {timeout_s:g} s; is the learner running there (hub.bind)?{hint}")
         return decode(sock.recv_multipart(copy=False))
     finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
 
 
-def set_setting(addr: str, key: str, value: int, timeout_s: float = 5.0) -> m.ControlReply:
-    reply = request(addr, m.ControlRequest(command="set", key=key, value=value), timeout_s)
+def set_setting(addr: str, key: str, value: int, timeout_s: float = 5.0, keys: ClientKeys | None = None) -> m.ControlReply:
+    reply = request(addr, m.ControlRequest(command="set", key=key, value=value), timeout_s, keys)
     if isinstance(reply, m.Error):
         raise ValueError(f"the hub rejected the request: {reply.detail}")
     assert isinstance(reply, m.ControlReply), f"unexpected reply {type(reply).__name__}"
     return reply
 
 
-def run_ctl(addr: str, command: str, key: str, value: int, timeout_s: float) -> int:
+def run_ctl(addr: str, command: str, key: str, value: int, timeout_s: float, keys: ClientKeys | None = None) -> int:
     assert command == "set", command  # argparse offers no other
     try:
-        reply = set_setting(addr, key, value, timeout_s)
+        reply = set_setting(addr, key, value, timeout_s, keys)
     except (NoReply, ValueError, m.ProtocolError) as e:
         print(f"fleetrl ctl: {e}", file=sys.stderr)
         return 1

@@ -19,12 +19,13 @@ from rich.text import Text
 
 from deploy.ctl import NoReply, request
 from protocol import messages as m
+from protocol.auth import ClientKeys
 
 BAR_WIDTH = 40
 
 
-def fetch(addr: str, timeout_s: float = 5.0) -> m.StatusReply:
-    reply = request(addr, m.StatusRequest(), timeout_s)
+def fetch(addr: str, timeout_s: float = 5.0, keys: ClientKeys | None = None) -> m.StatusReply:
+    reply = request(addr, m.StatusRequest(), timeout_s, keys)
     if isinstance(reply, m.Error):
         raise ValueError(f"the hub rejected the status request: {reply.detail}")
     assert isinstance(reply, m.StatusReply), f"unexpected reply {type(reply).__name__}"
@@ -73,11 +74,11 @@ def _console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=160, no_color=True)
 
 
-def run_status(addr: str, once: bool, interval_s: float, timeout_s: float) -> int:
+def run_status(addr: str, once: bool, interval_s: float, timeout_s: float, keys: ClientKeys | None = None) -> int:
     console = _console()
     if once:
         try:
-            console.print(render(fetch(addr, timeout_s), addr))
+            console.print(render(fetch(addr, timeout_s, keys), addr))
         except (NoReply, ValueError, m.ProtocolError) as e:
             print(f"fleetrl status: {e}", file=sys.stderr)
             return 1
@@ -85,7 +86,7 @@ def run_status(addr: str, once: bool, interval_s: float, timeout_s: float) -> in
 
     def view() -> RenderableType:
         try:
-            return render(fetch(addr, timeout_s), addr)
+            return render(fetch(addr, timeout_s, keys), addr)
         except (NoReply, ValueError, m.ProtocolError) as e:
             return Text(f"{e}; retrying every {interval_s:g} s", style="yellow")
 

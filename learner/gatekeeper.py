@@ -9,6 +9,8 @@ handshakes never queues behind the hub's event loop. The allow-list is the folde
 --client NAME` admits a new node to a running learner within a second. Removing a key
 refuses its next handshake, and `admits` drops every message of a connection opened
 with it before: a revoked actor goes silent and is declared dead after hub.actor_timeout_s.
+`admits` also names the key (its file's stem), so the hub can tie an actor id to the key
+that registered it.
 """
 
 from __future__ import annotations
@@ -59,18 +61,19 @@ class Gatekeeper:
             self.log.warning("auth.refused", key=key.decode(errors="replace"), suppressed=suppressed)
         return name is not None
 
-    def admits(self, frame: zmq.Frame) -> bool:
-        """Hub thread, per message: its connection authenticated with a key that is still listed."""
+    def admits(self, frame: zmq.Frame) -> str | None:
+        """Hub thread, per message: the name of the still-listed key its connection authenticated with, or None."""
         try:
             user = frame.get("User-Id")  # set from the ZAP reply: the client's Z85 public key
         except zmq.ZMQError:  # no such property: the connection never passed ZAP
             user = None
-        if isinstance(user, str) and user.encode() in self._allowed:
-            return True
+        name = self._allowed.get(user.encode()) if isinstance(user, str) else None
+        if name is not None:
+            return name
         self.counts["auth_revoked"] += 1
         if (suppressed := self._revoked_log.ready()) is not None:
             self.log.warning("auth.message_dropped", key=user, why="key no longer authorized", suppressed=suppressed)
-        return False
+        return None
 
     def reload(self) -> None:
         """Re-read the allow-list if the folder changed (a file added or removed). Keeps the old list on error."""

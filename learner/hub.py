@@ -55,6 +55,7 @@ class ActorState:
     groups: int = 0  # groups accepted from it
     joined_at: float = 0.0
     first_version: int | None = None  # version_min of its first admissible group (a late joiner's must be current)
+    key: str | None = None  # name of the CURVE key that registered it (None: CURVE off); only that key may replace it
     arrivals: deque[float] = field(default_factory=deque)  # accept times, last control.RATE_WINDOW_S (samples/s)
 
 
@@ -92,6 +93,7 @@ class Hub:
         # CURVE keys (None: off, loopback only); a missing or bad key file fails here, before anything starts.
         self._keys = auth.server_keys(cfg)
         self._gate: Gatekeeper | None = None
+        self._sender_key: str | None = None  # key name of the message being handled (the hub's loop handles one at a time)
         self._throttles: dict[str, Throttle] = {name: Throttle(1.0) for name in ("bad_message", "send_failed")}
         # Elastic membership: who is told when an actor registers or is removed (the weight sender), and which
         # connection (fd) each routing id last spoke on, so a closed connection names its actor at once.
@@ -324,8 +326,10 @@ class Hub:
 
     async def _on_frames(self, frames: list) -> None:
         identity, body = frames[0].bytes, frames[1:]
-        if self._gate is not None and not (body and self._gate.admits(body[0])):
-            return  # its key was revoked after it connected: dropped unanswered (counted by the gate)
+        if self._gate is not None:
+            self._sender_key = self._gate.admits(body[0]) if body else None
+            if self._sender_key is None:
+                return  # its key was revoked after it connected: dropped unanswered (counted by the gate)
         # Disconnects first: a closed connection's fd can be reused by the very connection this message came on.
         self._drain_disconnects()
         fd = transport.peer_fd(frames[0])
@@ -376,6 +380,19 @@ class Hub:
         return state
 
     async def _on_register(self, identity: bytes, msg: m.Register) -> None:
+        key = self._sender_key
+        with self.cond:
+            old = self.actors.get(msg.actor_id)
+            if old is not None and old.key != key:  # only the key that registered an id may take it over
+                self.counters["register_wrong_key"] += 1
+                owner = old.key
+            else:
+                owner = None
+        if owner is not None:
+            self.log.warning("hub.register_refused", actor=msg.actor_id, key=key, owner=owner)
+            await self._reply(identity, m.Error(code="id_taken", detail=f"actor id {msg.actor_id!r} is registered with "
+                                                f"another key; pick another id (fleetrl actor --id)"[:MAX_DETAIL]))
+            return
         with self.cond:
             old = self.actors.get(msg.actor_id)
             # A retry from the same connection (queued retries arrive together when a learner comes back). But -1
@@ -393,7 +410,7 @@ class Hub:
                     self._release(other, f"its connection registered again as {msg.actor_id!r}")
                     self.counters["reregistered"] += 1
                 now = time.monotonic()
-                self.actors[msg.actor_id] = ActorState(identity, now, self._trusted(msg.served_version), joined_at=now)
+                self.actors[msg.actor_id] = ActorState(identity, now, self._trusted(msg.served_version), joined_at=now, key=key)
                 for fn in self._listeners:
                     fn(msg.actor_id, True)
             version = self.version

@@ -78,8 +78,26 @@ def client_keys(cfg: Config, address: str) -> ClientKeys | None:
         raise ConfigError(f"auth.curve: off is refused for {address} (not loopback); set the auth.* key files")
     if not curve_on(cfg, address):
         return None
-    server_public, _ = _read(cfg.auth.server_key, "auth.server_key", need_secret=False)
-    public, secret = _read(cfg.auth.client_key, "auth.client_key", need_secret=True)
+    return _client_pair((cfg.auth.server_key, "auth.server_key"), (cfg.auth.client_key, "auth.client_key"))
+
+
+def ops_client_keys(address: str, server_key: str, client_key: str) -> ClientKeys | None:
+    """An operator's keys (`fleetrl ctl` / `status --server-key F --client-key F`: no config file), or None.
+
+    Both files or neither. Neither is refused for a hub off loopback: such a hub has CURVE on and
+    would only ever answer with silence."""
+    if not server_key and not client_key:
+        if not is_loopback(address):
+            raise ConfigError(f"--server-key and --client-key: required for {address} (a hub bound off loopback "
+                              "admits only CURVE clients; use server.key and a clients/NAME.key_secret from `fleetrl keys`)")
+        return None
+    return _client_pair((server_key, "--server-key"), (client_key, "--client-key"))
+
+
+def _client_pair(server: tuple[str, str], client: tuple[str, str]) -> ClientKeys:
+    """(file, the field or flag that named it) for the server's public key and the client's key pair."""
+    server_public, _ = _read(*server, need_secret=False)
+    public, secret = _read(*client, need_secret=True)
     assert secret is not None
     return ClientKeys(server_public=server_public, public=public, secret=secret)
 

@@ -241,7 +241,7 @@ class WeightVersion(Message):
 class Error(Message):
     """either way: the peer sent something wrong. Logged and counted, never fatal."""
 
-    code: str  # protocol | unknown_actor | rejected
+    code: str  # protocol | unknown_actor | rejected | id_taken (Register: the id belongs to another CURVE key; final)
     detail: str
 
 

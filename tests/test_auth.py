@@ -317,3 +317,64 @@ def test_weight_group_rendezvous_listens_only_on_the_given_address():
     assert member.returncode == 0, err[-2000:]
     # The store's socket and gloo's, both on 127.0.0.1 (0100007F) and nowhere else.
     assert len(listening) >= 2 and {addr for addr, _ in listening} == {"0100007F"}, listening
+
+
+def test_an_actor_id_belongs_to_the_key_that_registered_it(tmp_path):
+    """Two authorised keys: the second cannot take over (and so unregister) the first's actor id; the first key,
+    from a new connection (a restarted actor), can. The refused actor hears `id_taken`, which is final."""
+    keys = tmp_path / "keys"
+    auth.generate(keys, ["node-a", "node-b"])
+    port = free_port()
+    addr = f"tcp://127.0.0.1:{port}"
+    key_a = auth.client_keys(curve_config(keys, port, f"auth.client_key={keys}/clients/node-a.key_secret"), addr)
+    key_b = auth.client_keys(curve_config(keys, port, f"auth.client_key={keys}/clients/node-b.key_secret"), addr)
+    hub = start_hub(curve_config(keys, port))
+    ctx = zmq.Context()
+
+    def register(sock, actor_id):
+        sock.send_multipart(encode(m.Register(actor_id=actor_id, host="h", pid=1, served_version=0)))
+        got = replies(sock, 2.0)
+        assert len(got) == 1, got
+        return got[0]
+
+    try:
+        a, b = dealer(ctx, addr, key_a), dealer(ctx, addr, key_b)
+        assert isinstance(register(a, "actor0"), m.RegisterAck)
+        refused = register(b, "actor0")
+        assert isinstance(refused, m.Error) and refused.code == "id_taken" and "another key" in refused.detail
+        assert hub.live_actors() == ["actor0"] and hub.actors["actor0"].key == "node-a"
+        assert hub.snapshot()["hub/register_wrong_key"] == 1
+        assert isinstance(register(b, "actor1"), m.RegisterAck)  # its own id is fine
+        restarted = dealer(ctx, addr, key_a)  # node-a's actor restarted: a new connection, the same key
+        assert isinstance(register(restarted, "actor0"), m.RegisterAck)
+        assert hub.actors["actor0"].key == "node-a" and sorted(hub.live_actors()) == ["actor0", "actor1"]
+    finally:
+        ctx.destroy(linger=0)
+        hub.stop()
+
+
+def test_ctl_and_status_speak_curve_with_the_operator_key(tmp_path, capsys):
+    """`fleetrl ctl` / `status` against a hub with CURVE on: with an authorised key they work; with an unlisted one
+    they say the key was refused (exit 1); without keys for a hub off loopback they refuse to start (exit 2)."""
+    keys = tmp_path / "keys"
+    auth.generate(keys, ["actor-a", "operator"])
+    stranger = tmp_path / "stranger"
+    auth.generate(stranger, ["operator"])  # a pair of its own, unknown to the hub
+    port = free_port()
+    addr = f"tcp://127.0.0.1:{port}"
+    hub = start_hub(curve_config(keys, port))
+    ops = ["--server-key", str(keys / "server.key"), "--client-key", str(keys / "clients" / "operator.key_secret")]
+    try:
+        assert cli(["ctl", "--learner", addr, *ops, "set", "max_staleness", "2"]) == 0
+        assert hub.max_staleness == 2
+        assert cli(["status", "--learner", addr, *ops, "--once"]) == 0
+        assert addr in capsys.readouterr().out
+        bad = ["--server-key", str(keys / "server.key"), "--client-key", str(stranger / "clients" / "operator.key_secret")]
+        assert cli(["ctl", "--learner", addr, *bad, "--timeout", "3", "set", "max_staleness", "1"]) == 1
+        assert "refused this client's key" in capsys.readouterr().err and hub.max_staleness == 2
+        assert cli(["ctl", "--learner", "tcp://10.1.2.3:5555", "set", "max_staleness", "1"]) == 2
+        assert "--server-key and --client-key: required" in capsys.readouterr().err
+        assert cli(["ctl", "--learner", addr, "--server-key", str(keys / "server.key"), "set", "max_staleness", "1"]) == 2
+        assert "--client-key" in capsys.readouterr().err
+    finally:
+        hub.stop()

@@ -24,6 +24,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# torch.distributed's rendezvous variables. A test that builds a DeepSpeed engine in the pytest process
+# (learner/distributed.init_distributed, DeepSpeed itself) writes them into os.environ. Left there, every
+# learner a later test starts as a subprocess inherits RANK and that MASTER_PORT, takes itself for a
+# torchrun rank, and fails to listen on a port the pytest process holds (EADDRINUSE).
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_rendezvous_leaks():
+    before = {k: os.environ.get(k) for k in _RENDEZVOUS}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def rollout_group(n=3, prompt_len=4, version=0, seed=0, actor="a0", prompt_id=7, epoch=0):
     from protocol.messages import RolloutGroup
 

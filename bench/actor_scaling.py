@@ -8,8 +8,10 @@ accepted groups, and the CPU the actors used (all their processes: actor, vLLM e
 Placement (2 cores here): the learner on CPU 0 and every actor on `--actor-cpus` (CPU 1 by
 default), so the actors share one core, as they would share a node's inference GPUs only if there
 were fewer GPUs than engines. `--actor-cpus 0-1` lets them use both cores, beside the learner.
+`--actor-cpus 0/1` gives each actor its own spec: the first shares CPU 0 with the learner and the
+second brings CPU 1, the one placement on 2 cores where a new actor adds a core.
 
-    python -m bench.actor_scaling [--window 30] [--actor-cpus 1] [section.field=value ...]
+    python -m bench.actor_scaling [--window 30] [--actor-cpus 1 | 0-1 | 0/1/1] [section.field=value ...]
 """
 
 from __future__ import annotations
@@ -83,10 +85,13 @@ def logged_after(t: float) -> Callable[[Event], bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window", type=int, default=30, help="steps measured per fleet size")
-    ap.add_argument("--actor-cpus", default="1")
+    ap.add_argument("--actor-cpus", default="1",
+                    help="CPU ids for every actor (\"1\", \"0-1\"), or one spec per actor joined by '/' (\"0/1/1\")")
     ap.add_argument("--max-actors", type=int, default=3)
     args, overrides = ap.parse_known_args()
     exit_on_sigterm()
+    per_actor = args.actor_cpus.split("/")
+    cpus_of = lambda i: per_actor[min(i, len(per_actor) - 1)]  # noqa: E731  # the last spec repeats
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         fleet = Fleet(Path(tmp) / "run", demo_model(load_config()), ["train.total_steps=100000", "actor.kvcache_gib=1", *overrides])
@@ -96,7 +101,7 @@ def main() -> None:
             for n in range(1, args.max_actors + 1):
                 name = f"a{n - 1}"
                 mark = len(fleet.log("learner"))
-                fleet.start_actor(name, cpus=args.actor_cpus)
+                fleet.start_actor(name, cpus=cpus_of(n - 1))
                 first = fleet.wait_for("learner", "hub.actor_first_group", field_is("actor", name), after=mark, timeout=900)
                 actors.append(name)
                 fleet.wait_for("learner", "learner.step", logged_after(when(first) + 5.0), timeout=300)  # warmed up
@@ -106,7 +111,7 @@ def main() -> None:
             fleet.stop_all()
     k, n = fleet.cfg.staleness.max_staleness, fleet.cfg.train.prompts_per_step * fleet.cfg.rollout.samples_per_prompt
     print(f"\nThroughput by fleet size: demo settings ({n} samples per step, k = {k}), learner on CPU 0, actors on CPU(s) "
-          f"{args.actor_cpus}, {args.window} steps each, measured after each new actor had delivered and warmed up")
+          f"{' / '.join(cpus_of(i) for i in range(len(results)))}, {args.window} steps each, measured after each new actor had delivered and warmed up")
     print(f"{'actors':>6}{'samples/s':>11}{'x 1 actor':>10}{'s/step':>8}{'wait s':>8}{'train s':>9}{'actor CPU':>11}   groups/s per actor")
     base = results[0].samples_per_s
     for i, r in enumerate(results):

@@ -104,10 +104,17 @@ class Actor:
         task.add_done_callback(self._task_done)
         return task
 
-    def _spawn_work(self, coro) -> None:
+    def _spawn_work(self, coro) -> asyncio.Task:
         task = self._spawn(coro)
         self.work.add(task)
         task.add_done_callback(self.work.discard)
+        return task
+
+    def _grant_done(self, task: asyncio.Task) -> None:
+        """A grant's task ended (done, failed or cancelled): its slot is free; ask for more unless stopping."""
+        self.held -= 1
+        if not self.stop.is_set():
+            self._spawn(self._request_work())
 
     def _lost_learner(self, why: str) -> None:
         """The learner died, restarted or forgot this actor: drop its work, distrust the weights, register again."""
@@ -152,9 +159,10 @@ class Actor:
         await self._send(m.Register(actor_id=self.actor_id, host=socket.gethostname(), pid=os.getpid(), served_version=self.served_version))
 
     async def _request_work(self) -> None:
-        room = self.cfg.actor.max_groups - self.held
-        if room > 0 and self.registered.is_set():
-            await self._send(m.WorkRequest(actor_id=self.actor_id, max_prompts=room))
+        """Ask for work while there is room; the request names the actor's whole capacity (the hub subtracts
+        what it has granted and not yet received back: requests in flight cannot make it grant twice)."""
+        if self.held < self.cfg.actor.max_groups and self.registered.is_set():
+            await self._send(m.WorkRequest(actor_id=self.actor_id, max_prompts=self.cfg.actor.max_groups))
 
     async def _heartbeat(self) -> None:
         backoff = 1.0
@@ -193,7 +201,9 @@ class Actor:
                     await self._request_work()
             elif isinstance(msg, m.WorkGrant):
                 self.held += 1
-                self._spawn_work(self._run_grant(msg))
+                # Released by a done-callback, not the task's own `finally`: a task cancelled before it first ran
+                # (grants that arrive in one burst with the news that the learner forgot us) never runs that.
+                self._spawn_work(self._run_grant(msg)).add_done_callback(self._grant_done)
             elif isinstance(msg, m.EvalGrant):
                 self._spawn_work(self._run_eval(msg))
             elif isinstance(msg, m.WeightSync):
@@ -216,25 +226,21 @@ class Actor:
                 self.log.warning("actor.unexpected_message", type=type(msg).__name__)
 
     async def _run_grant(self, grant: m.WorkGrant) -> None:
-        try:
-            async with self.version_changed:
-                await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
-            version_min = self.served_version
-            t0 = time.perf_counter()
-            completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt)
-            version_max = self.served_version
-            gen_s = time.perf_counter() - t0
-            rewards = np.asarray([self.reward_fn(c.text, grant.answer) for c in completions], dtype=np.float32)
-            lengths = np.asarray([len(c.token_ids) for c in completions], dtype=np.int32)
-            await self._send(m.RolloutGroup(
-                actor_id=self.actor_id, prompt_id=grant.prompt_id, epoch=grant.epoch, prompt_tokens=grant.prompt_tokens,
-                lengths=lengths, completion_tokens=np.concatenate([c.token_ids for c in completions]),
-                behaviour_logprobs=np.concatenate([c.logprobs for c in completions]), rewards=rewards,
-                finish_reasons=[c.finish_reason for c in completions], version_min=version_min, version_max=version_max,
-                gen_s=gen_s, reward_s=time.perf_counter() - t0 - gen_s))
-        finally:
-            self.held -= 1
-        await self._request_work()
+        async with self.version_changed:
+            await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
+        version_min = self.served_version
+        t0 = time.perf_counter()
+        completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt)
+        version_max = self.served_version
+        gen_s = time.perf_counter() - t0
+        rewards = np.asarray([self.reward_fn(c.text, grant.answer) for c in completions], dtype=np.float32)
+        lengths = np.asarray([len(c.token_ids) for c in completions], dtype=np.int32)
+        await self._send(m.RolloutGroup(
+            actor_id=self.actor_id, prompt_id=grant.prompt_id, epoch=grant.epoch, prompt_tokens=grant.prompt_tokens,
+            lengths=lengths, completion_tokens=np.concatenate([c.token_ids for c in completions]),
+            behaviour_logprobs=np.concatenate([c.logprobs for c in completions]), rewards=rewards,
+            finish_reasons=[c.finish_reason for c in completions], version_min=version_min, version_max=version_max,
+            gen_s=gen_s, reward_s=time.perf_counter() - t0 - gen_s))
 
     async def _run_eval(self, grant: m.EvalGrant) -> None:
         """The hub sends no newer weights during a round, so version_min == version_max == grant.policy_version."""

@@ -43,6 +43,7 @@ from protocol.logs import Throttle, get_logger
 
 DRAIN = 256  # messages read per poll of the hub's socket
 MAX_DETAIL = 300  # characters of an error reply: a decode error may quote the peer's input, which may be huge
+CLOSED_GRACE_S = 5.0  # how long messages of a closed connection are dropped (what it queued before closing)
 
 
 @dataclass(slots=True)
@@ -50,7 +51,7 @@ class ActorState:
     identity: bytes  # ZeroMQ routing id of the actor's DEALER
     last_seen: float
     served_version: int
-    demand: int = 0  # prompts it asked for and has not been granted yet
+    demand: int = 0  # prompts it may still be granted: its capacity minus `held` when it last asked
     held: set[Key] = field(default_factory=set)
     groups: int = 0  # groups accepted from it
     joined_at: float = 0.0
@@ -99,6 +100,11 @@ class Hub:
         # connection (fd) each routing id last spoke on, so a closed connection names its actor at once.
         self._listeners: list[Callable[[str, bool], None]] = []
         self._fd_identity: dict[int, bytes] = {}
+        # Connections seen to close -> when. Messages such a connection queued before it closed can still be in the
+        # socket; handled after the removal, a queued Register would bring a dead actor back. ROUTER gives each new
+        # connection a new routing id, so these are dropped; only for a while (CLOSED_GRACE_S): an fd wrongly
+        # named (reused before its close was heard) must not silence the connection that reused it for good.
+        self._closed: dict[bytes, float] = {}
         self._monitor: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -332,6 +338,11 @@ class Hub:
                 return  # its key was revoked after it connected: dropped unanswered (counted by the gate)
         # Disconnects first: a closed connection's fd can be reused by the very connection this message came on.
         self._drain_disconnects()
+        if self._closed and identity in self._closed:
+            if time.monotonic() - self._closed[identity] < CLOSED_GRACE_S:
+                self.counters["from_closed_connections"] += 1  # queued before the close: its actor is gone
+                return
+            del self._closed[identity]
         fd = transport.peer_fd(frames[0])
         if fd is not None and self._fd_identity.get(fd) != identity:
             self._fd_identity[fd] = identity
@@ -439,7 +450,7 @@ class Hub:
         with self.cond:
             state = self._known(msg.actor_id, identity)
             if state is not None:
-                state.demand = max(0, msg.max_prompts)
+                state.demand = max(0, msg.max_prompts - len(state.held))  # a capacity (protocol 3), not more room
         if state is None:
             await self._unknown(identity, msg.actor_id)
             return
@@ -610,6 +621,10 @@ class Hub:
         with self.cond:
             for fd in fds:
                 identity = self._fd_identity.pop(fd, None)
+                if identity is not None:
+                    now = time.monotonic()
+                    self._closed = {i: t for i, t in self._closed.items() if now - t < CLOSED_GRACE_S}
+                    self._closed[identity] = now
                 for actor_id in [a for a, state in self.actors.items() if state.identity == identity]:
                     self._release(actor_id, "connection closed")
                     self.counters["actors_lost"] += 1  # every death; this one seen at once, not after actor_timeout_s

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: positional header (protocol/codec.py)
+PROTOCOL_VERSION = 3  # 2: positional header (protocol/codec.py); 3: WorkRequest.max_prompts is a capacity
 
 
 _ONES = np.ones(1 << 16, np.float32)
@@ -76,7 +76,9 @@ class Heartbeat(Message):
 
 @dataclass(kw_only=True, slots=True)
 class WorkRequest(Message):
-    """actor -> hub: room for `max_prompts` more prompts."""
+    """actor -> hub: it can hold `max_prompts` prompts at once (actor.max_groups). The hub grants up to that
+    minus the prompts it leased to this actor and has not received back, so requests still in flight
+    (sent before the grants they asked for arrived) never make it grant more than the actor holds."""
 
     actor_id: str
     max_prompts: int

@@ -90,8 +90,8 @@ def _with_header(frames, header):
 @pytest.mark.parametrize(
     "mutate, needle",
     [
-        (lambda h: h.__setitem__(0, 99), "protocol version 99, this side speaks 2"),
-        (lambda h: h.__setitem__(0, "2"), "protocol version '2', this side speaks 2"),
+        (lambda h: h.__setitem__(0, 99), "protocol version 99, this side speaks 3"),
+        (lambda h: h.__setitem__(0, "2"), "protocol version '2', this side speaks 3"),
         (lambda h: h.__setitem__(1, "Nope"), "unknown message type 'Nope'"),
         (lambda h: h.__setitem__(1, ["RolloutGroup"]), "unknown message type ['RolloutGroup']"),
         (lambda h: h.append(0), "header: expected [version, type, dtypes, values], got list"),
@@ -128,7 +128,7 @@ def test_bad_headers_are_named(mutate, needle):
 def test_protocol_1_header_names_the_version():
     """A peer still on the map layout (protocol 1) gets told the version mismatch, not a parse error."""
     header = {"v": 1, "t": "Register", "f": {"actor_id": "a", "host": "h", "pid": 1, "served_version": 0}, "a": []}
-    with pytest.raises(m.ProtocolError, match="protocol version 1, this side speaks 2"):
+    with pytest.raises(m.ProtocolError, match="protocol version 1, this side speaks 3"):
         decode([msgpack.packb(header)])
 
 

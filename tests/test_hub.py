@@ -54,6 +54,17 @@ def test_bad_input_is_answered_counted_and_survived():
             assert sock.poll(5000), "no grant"
             grants.append(decode(sock.recv_multipart()))
         assert all(isinstance(g, m.WorkGrant) and g.prompt_tokens.dtype == np.int32 for g in grants)
+        # Requests are capacities: asking again (as an actor does before its grants arrive) adds nothing while
+        # it holds what it can hold; one group back frees one slot.
+        for _ in range(3):
+            sock.send_multipart(encode(m.WorkRequest(actor_id="a0", max_prompts=2)))
+        assert not sock.poll(1000), "granted past the actor's capacity"
+        g = grants[0]
+        done = rollout_group(n=3, actor="a0", prompt_id=g.prompt_id, epoch=g.epoch)
+        sock.send_multipart(encode(done))
+        sock.send_multipart(encode(m.WorkRequest(actor_id="a0", max_prompts=2)))
+        assert sock.poll(5000) and isinstance(decode(sock.recv_multipart()), m.WorkGrant)
+        assert not sock.poll(1000), "granted past the actor's capacity"
     finally:
         sock.close(linger=0)
         ctx.term()

@@ -122,9 +122,10 @@ class Actor:
         self.registered.clear()
         self.served_version = -1
         self.leave_group = True
+        self.newest_group = None  # syncs of the lost learner still queued behind the sync lock are skipped
         set_context(policy_version=-1)
         for task in list(self.work):
-            task.cancel()  # vLLM aborts a cancelled request; `held` drops in _run_grant's finally
+            task.cancel()  # vLLM aborts a cancelled request; `held` drops in _grant_done
         self.log.warning("actor.learner_lost", why=why, learner=self.learner, cancelled=len(self.work))
 
     async def _watch_connection(self) -> None:

@@ -470,6 +470,7 @@ class Hub:
             ahead = msg.version_min > self.version  # weights this learner never had (a lost learner's)
             if state is not None and ahead:
                 self.counters["rejected_ahead"] += 1
+                self._take_back(state, msg.actor_id, key)
             elif state is not None and n == expected:
                 state.held.discard(key)
                 if self.ledger.receive(key):
@@ -486,6 +487,7 @@ class Hub:
                         self._drop_stale(item)
             elif state is not None:
                 self.counters["bad_group_size"] += 1
+                self._take_back(state, msg.actor_id, key)
         if state is not None and n == expected:
             self.log.debug("hub.group_received", actor=msg.actor_id, key=key, version=msg.version_min)
         if first is not None:  # a joining actor's first trainable group: its version must be one it was sent
@@ -593,6 +595,13 @@ class Hub:
         out = [(self.actors[a].identity, grant) for a, grant in rnd.assign(ready, self.cfg.actor.max_groups, time.monotonic())]
         self.counters["eval_granted"] += len(out)
         return out
+
+    def _take_back(self, state: ActorState, actor_id: str, key: Key) -> None:
+        """Caller holds the lock: a rejected group's prompt goes back to the queue now, not at its lease's end,
+        and frees the actor's slot (its requests are capacities)."""
+        if key in state.held and self.ledger.entries[key].actor == actor_id:
+            state.held.discard(key)
+            self.ledger.requeue(key, "rejected")
 
     def _release(self, actor_id: str, why: str) -> None:
         """Caller holds the lock: forget an actor and requeue what it held."""

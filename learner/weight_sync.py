@@ -64,6 +64,7 @@ class Attempt:
     members: list[str]  # rank = position + 1
     new_group: bool  # the epoch is new: members join before the broadcast
     gens: dict[str, int]  # each member's registration count when the attempt began (a re-registered one lacks v)
+    catchup: bool = False  # not the sync's own attempt: a stop (the optimizer step) gives it up instead of waiting for it
 
 
 @dataclass(kw_only=True, slots=True)
@@ -246,13 +247,21 @@ class WeightSender:
                     unexplained += 1
                     retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_S * 2 ** (unexplained - 1))
                 attempt = None
+            # Clear before looking at _stop: a stop that sets both after this check still wakes the wait below.
+            self._wake.clear()
             if self._stop.is_set():
                 return
-            self._wake.clear()
             need = self._lacking(version)
             wait_s = retry_at - time.monotonic()
             if need and wait_s <= 0:
-                attempt = self._begin(version, need)
+                try:
+                    attempt = self._begin(version, need, catchup=True)
+                except Exception as e:  # the hub could not send the WeightSyncs (its loop stopping, a send timed out)
+                    with self._lock:
+                        self._attempt = None
+                    unexplained += 1
+                    retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_S * 2 ** (unexplained - 1))
+                    self.log.warning("weights.begin_failed", version=version, members=need, error=repr(e)[:300])
                 continue
             if self._wake.wait(wait_s if need else None):
                 retry_at = 0.0  # membership changed (the hub removed someone): retry now
@@ -263,7 +272,7 @@ class WeightSender:
         with self._lock:
             return [a for a in live if self._holds.get(a) != version]
 
-    def _begin(self, version: int, members: list[str]) -> Attempt:
+    def _begin(self, version: int, members: list[str], catchup: bool = False) -> Attempt:
         """Pick the group epoch for `members` and send each its WeightSync."""
         assert self._hub is not None
         with self._lock:
@@ -273,7 +282,7 @@ class WeightSender:
                 self.group, self.members, self._group_stale = None, list(members), False
                 self.epoch += 1
             att = Attempt(version=version, epoch=self.epoch, members=list(members), new_group=not reuse,
-                          gens={a: self._gens[a] for a in members})
+                          gens={a: self._gens[a] for a in members}, catchup=catchup)
             self._attempt, self._abort_why = att, None
         if att.new_group:
             self.log.info("weights.new_group_epoch", epoch=att.epoch, members=att.members, version=version)
@@ -295,13 +304,13 @@ class WeightSender:
     def _run(self, att: Attempt, flats: list[torch.Tensor] | None) -> bool:
         """One attempt; True when every member holds att.version. A failure gives the epoch up."""
         assert self._serving is not None
-        waits = Abortable(should_abort=lambda: self._abort_why, timeout_s=self.cfg.timeout_s, graveyard=self.graveyard, poll_s=POLL_S)
+        waits = Abortable(should_abort=lambda: self._why_abort(att), timeout_s=self.cfg.timeout_s, graveyard=self.graveyard, poll_s=POLL_S)
         t0 = time.perf_counter()
         try:
             # Milliseconds normally; a member that dies ends it within POLL_S of the hub noticing.
             with phase(self.log, "weights.broadcast", quiet=True, epoch=att.epoch, members=len(att.members), version=att.version):
-                if self._abort_why is not None:
-                    raise Aborted(self._abort_why)
+                if (why := self._why_abort(att)) is not None:
+                    raise Aborted(why)
                 group = self.group
                 if att.new_group:
                     self._await_joins(att)
@@ -341,15 +350,26 @@ class WeightSender:
         keys = {a: joined_key(att.epoch, rank) for rank, a in enumerate(att.members, start=1)}
         deadline = time.monotonic() + self.cfg.timeout_s
         while not self.control.check(list(keys.values())):
-            if self._abort_why is not None:
-                raise Aborted(self._abort_why)
+            if (why := self._why_abort(att)) is not None:
+                raise Aborted(why)
             if time.monotonic() > deadline:
                 missing = [a for a, k in keys.items() if not self.control.check([k])]
                 why = f"did not join weight group epoch {att.epoch} within weights.timeout_s = {self.cfg.timeout_s} s"
-                for a in missing:
+                with self._lock:  # only the registration it was sent to: one that came back since is not to blame
+                    stale = [a for a in missing if self._gens[a] == att.gens[a]]
+                for a in stale:
                     self._hub.evict(a, why)
                 raise Aborted(f"{missing} {why}")
             time.sleep(JOIN_POLL_S)
+
+    def _why_abort(self, att: Attempt) -> str | None:
+        """Why the attempt in flight must end now: a member was removed, or (a catch-up only) the sender is
+        stopping: the optimizer step waits for this thread, and a newcomer's catch-up must not hold it up."""
+        if self._abort_why is not None:
+            return self._abort_why
+        if att.catchup and self._stop.is_set():
+            return "the sender stopped serving this version (the next update has begun)"
+        return None
 
     def _build(self, att: Attempt) -> dist.ProcessGroup:
         # A store client of its own: an abandoned rendezvous keeps blocking in it until its timeout.

@@ -63,8 +63,14 @@ def test_bad_input_is_answered_counted_and_survived():
         done = rollout_group(n=3, actor="a0", prompt_id=g.prompt_id, epoch=g.epoch)
         sock.send_multipart(encode(done))
         sock.send_multipart(encode(m.WorkRequest(actor_id="a0", max_prompts=2)))
-        assert sock.poll(5000) and isinstance(decode(sock.recv_multipart()), m.WorkGrant)
+        assert sock.poll(5000) and isinstance(new := decode(sock.recv_multipart()), m.WorkGrant)
         assert not sock.poll(1000), "granted past the actor's capacity"
+        # A rejected group (wrong size) gives its prompt back at once and frees the slot.
+        bad = rollout_group(n=5, actor="a0", prompt_id=new.prompt_id, epoch=new.epoch)
+        assert _ask(sock, encode(bad)).code == "rejected"
+        assert hub.snapshot()["ledger/requeued_rejected"] == 1
+        sock.send_multipart(encode(m.WorkRequest(actor_id="a0", max_prompts=2)))
+        assert sock.poll(5000) and isinstance(decode(sock.recv_multipart()), m.WorkGrant)
     finally:
         sock.close(linger=0)
         ctx.term()

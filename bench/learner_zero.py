@@ -43,7 +43,7 @@ def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: li
     from transformers import AutoModelForCausalLM
 
     plan = make_plan(cfg, num_prompts=100)
-    layout = StepLayout(mini_batches=plan.mini_batches, ppo_epochs=plan.ppo_epochs, micro_samples=plan.micro_batch, accumulation=plan.accumulation)
+    layout = StepLayout.of(plan)
     trainer = Trainer(cfg, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), topo, layout)
     buckets = wg.plan_buckets(trainer.full_shapes(), 4, 32 << 20)
     flats, version, tokens, t0 = None, 0, 0, 0.0

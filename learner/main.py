@@ -90,8 +90,7 @@ def _run_rank(cfg: Config, resume: bool) -> int:
     if plan.learner_ranks != topo.world:
         raise ValueError(f"cluster: the plan has {plan.learner_ranks} learner ranks "
                          f"(learner_nodes x learner_gpus_per_node, or debug_gpus), torchrun started {topo.world}")
-    layout = StepLayout(mini_batches=plan.mini_batches, ppo_epochs=plan.ppo_epochs, micro_samples=plan.micro_batch,
-                        accumulation=plan.accumulation)
+    layout = StepLayout.of(plan)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
     trainer = Trainer(cfg, model, topo, layout)
     checkpoint = None

@@ -27,6 +27,7 @@ from learner.batch import TokenBatch, group_samples, token_logprobs
 from learner.distributed import Topology
 from learner.layout import attention_implementation, micro_batch_layout
 from learner.losses import make_policy_loss, token_entropy, value_loss
+from learner.plan import Plan
 from learner.sequence_parallel import SequenceShard
 from learner.shard import Share, split_rollout_batch
 from protocol.config import Config, ConfigError
@@ -41,6 +42,12 @@ class StepLayout:
     ppo_epochs: int
     micro_samples: int  # samples per forward/backward
     accumulation: int  # micro-batches per optimizer step on one rank
+
+    @classmethod
+    def of(cls, plan: Plan) -> StepLayout:
+        """The layout `fleetrl plan` computed for this run (learner/plan.py checks it adds up)."""
+        return cls(mini_batches=plan.mini_batches, ppo_epochs=plan.ppo_epochs, micro_samples=plan.micro_batch,
+                   accumulation=plan.accumulation)
 
     @property
     def steps(self) -> int:

@@ -51,7 +51,7 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     plan = make_plan(cfg, num_prompts=100)
-    layout = StepLayout(mini_batches=plan.mini_batches, ppo_epochs=plan.ppo_epochs, micro_samples=plan.micro_batch, accumulation=plan.accumulation)
+    layout = StepLayout.of(plan)
     trainer = Trainer(cfg, model, topo, layout)
     buckets = wg.plan_buckets(trainer.full_shapes(), 4, 1 << 20)
     first, version = 0, 0

@@ -55,6 +55,11 @@ JOIN_POLL_S = 0.005  # how often rank 0 looks for the members' joined keys
 RETRY_S, RETRY_MAX_S = 0.2, 10.0  # backoff after a failure that no removal explains (yet)
 
 
+def _backoff(failures: int) -> float:
+    """When to try again after `failures` failures in a row that no removal explains (monotonic clock)."""
+    return time.monotonic() + min(RETRY_MAX_S, RETRY_S * 2 ** (failures - 1))
+
+
 @dataclass(kw_only=True, slots=True)
 class Attempt:
     """One try at giving `version` to `members` in group epoch `epoch`."""
@@ -245,7 +250,7 @@ class WeightSender:
                     unexplained = 0
                 elif self._abort_why is None:  # e.g. gloo saw a peer close before the hub did: give the hub a moment
                     unexplained += 1
-                    retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_S * 2 ** (unexplained - 1))
+                    retry_at = _backoff(unexplained)
                 attempt = None
             # Clear before looking at _stop: a stop that sets both after this check still wakes the wait below.
             self._wake.clear()
@@ -260,7 +265,7 @@ class WeightSender:
                     with self._lock:
                         self._attempt = None
                     unexplained += 1
-                    retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_S * 2 ** (unexplained - 1))
+                    retry_at = _backoff(unexplained)
                     self.log.warning("weights.begin_failed", version=version, members=need, error=repr(e)[:300])
                 continue
             if self._wake.wait(wait_s if need else None):

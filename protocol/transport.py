@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import typing
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from typing import Any
 
 import zmq
@@ -104,16 +103,6 @@ async def socket_events(sock: zmq.asyncio.Socket, events: int) -> AsyncGenerator
     finally:
         sock.disable_monitor()
         monitor.close(linger=0)
-
-
-async def refused(sock: zmq.asyncio.Socket) -> int:
-    """Wait until the hub refuses this client's CURVE key; returns the ZAP status (400).
-
-    libzmq does not reconnect after a refused handshake: the socket is dead from then on, and a
-    client that kept waiting on it would hang in silence. Run this beside the client and stop on it.
-    """
-    async with aclosing(socket_events(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH)) as events:
-        return int((await anext(events))["value"])
 
 
 def watch_disconnects(sock: zmq.Socket) -> zmq.Socket:

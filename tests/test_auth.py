@@ -10,6 +10,7 @@ import os
 import socket
 import stat
 import time
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -267,7 +268,8 @@ def test_weight_store_listens_only_on_the_given_address():
 
 
 def test_a_refused_client_learns_it_is_refused(tmp_path):
-    """libzmq never retries a refused key, so the actor watches for it (transport.refused) and exits non-zero."""
+    """libzmq never retries a refused key, so the actor watches its socket's events for it (transport.socket_events,
+    as actors/main.py does) and exits non-zero."""
     keys = tmp_path / "keys"
     auth.generate(keys, ["actor-a"])
     port = free_port()
@@ -281,7 +283,8 @@ def test_a_refused_client_learns_it_is_refused(tmp_path):
         ctx = zmq.asyncio.Context()
         sock = transport.client_socket(ctx, cfg.hub.bind, 64, 1 << 20, keys)
         try:
-            return await asyncio.wait_for(transport.refused(sock), timeout=2.0)
+            async with aclosing(transport.socket_events(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH)) as events:
+                return int((await asyncio.wait_for(anext(events), timeout=2.0))["value"])  # the ZAP status
         except TimeoutError:
             return None
         finally:

@@ -16,8 +16,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 import torch.distributed as dist
+
+from learner.build_locks import clear_stale_build_locks
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,7 @@ def init_distributed() -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    clear_stale_build_locks(structlog.get_logger())  # else a build killed earlier hangs DeepSpeed's op loading
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 

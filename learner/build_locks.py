@@ -5,34 +5,36 @@ DeepSpeed compiles its C++ ops on first use through torch.utils.cpp_extension: o
 op has a build folder under the extensions root (TORCH_EXTENSIONS_DIR, by default
 ~/.cache/torch_extensions/py311_cpu/), and every load, built or not, goes through `<op>/lock`: torch's
 FileBaton creates the file exclusively, holds it open while it builds (about 45 s for the shm op on a
-2-core machine), then deletes it. Another process finding the file waits, polling, with no time limit,
-and the file records no owner. So a learner killed while it held the lock (Ctrl-C during a first start,
-a test or job time limit) leaves the file behind, and every later learner on that machine hangs in
-`deepspeed.init_distributed`, printing nothing.
+2-core machine), then closes and deletes it. Another process finding the file waits, polling, with no
+time limit, and the file records no owner. So a learner killed while it held the lock (Ctrl-C during a
+first start, a test or job time limit) leaves the file behind, and every later learner on that machine
+hangs in `deepspeed.init_distributed`, printing nothing.
 
-`clear_stale_build_locks` runs before DeepSpeed is initialised. A lock is live while some process on
-this machine has it open (the builder holds the fd: found in /proc/*/fd). A lock that no process here
-has open is stale at once when it lies on a local filesystem; no other machine can be building there.
-On a network filesystem (an extensions root in a home directory shared by the nodes), a build on
-another node looks the same, so the lock is waited on and removed only once it is `stale_s` old.
-Builds in another container that shares the folder through a bind mount are not seen; run such
-containers with their own TORCH_EXTENSIONS_DIR.
+`clear_stale_build_locks` runs on every learner rank before DeepSpeed starts. A lock is removed only
+when it is certainly stale:
+- no process on this machine has it open (the builder holds its fd: every /proc/<pid>/fd is read; if
+  one cannot be, nothing is certain), at two looks half a second apart, the same file both times; and
+- it lies on a local filesystem, where no other machine can be building.
+Any other lock is left to torch, which waits for it. One on a network or unknown filesystem (an
+extensions root in a home directory the nodes share) could be another node's build, which looks the
+same from here: it is reported every 30 s until it goes, so the wait is no longer silent, and an
+operator who knows no node is building removes it by hand. Containers that share the folder through a
+bind mount cannot see each other's builders: give each its own TORCH_EXTENSIONS_DIR.
 """
 
 from __future__ import annotations
 
-import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "fuse.sshfs",
-                        "fuse.glusterfs", "glusterfs", "9p", "afs", "panfs", "wekafs", "fuse.juicefs"})
+LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "jfs", "reiserfs", "ramfs"})
 RECHECK_S = 0.5  # a builder deletes the lock microseconds after closing it
-STALE_S = 600.0  # a lock on a network filesystem with no holder here: another node's build, until this old
+NOTE_EVERY_S = 30.0
 
 
 def extensions_root() -> Path:
@@ -52,90 +54,117 @@ def extensions_root() -> Path:
     return Path(get_default_build_root()) / f"{python}_{accelerator}"
 
 
-def holders(path: Path) -> list[int]:
-    """Pids of the processes on this machine (those /proc lets us see) that have `path` open."""
-    target, pids = os.path.realpath(path), []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+def holders(path: Path, proc: Path = Path("/proc")) -> list[int] | None:
+    """Pids of the processes on this machine that have `path` open; None if some process's fds could not be read."""
+    target, pids, complete = os.path.realpath(path), [], True
+    for pid in proc.iterdir():
+        if not pid.name.isdigit():
             continue
         try:
-            if any(os.readlink(fd) == target for fd in (proc / "fd").iterdir()):
-                pids.append(int(proc.name))
-        except OSError:  # gone, or not ours to read
+            fds = list((pid / "fd").iterdir())
+        except FileNotFoundError:  # exited
             continue
-    return pids
+        except OSError:  # another user's process, or /proc mounted with hidepid
+            complete = False
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) == target:
+                    pids.append(int(pid.name))
+                    break
+            except OSError:  # that fd was closed meanwhile
+                continue
+    return pids if complete or pids else None
 
 
-def filesystem_type(path: Path) -> str:
-    """The type of the filesystem `path` lies on, from /proc/self/mountinfo ("" if unknown)."""
-    real, best, fstype = os.path.realpath(path), "", ""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    for line in lines:
+def mount_type(mountinfo: str, path: str) -> str:
+    """The filesystem type of the mount holding `path` (a real path), from /proc/self/mountinfo text."""
+    best, fstype = "", ""
+    for line in mountinfo.splitlines():
         left, _, right = line.partition(" - ")
         fields = left.split()
         if len(fields) < 5 or not right:
             continue
-        mount = fields[4].replace("\\040", " ")
-        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040 is a space, and so on
+        inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):  # the longest match; of equal ones the later mount, which hides the earlier
             best, fstype = mount, right.split()[0]
     return fstype
 
 
-def clear_stale_build_locks(log: Any, root: Path | None = None, stale_s: float = STALE_S,
-                            clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> list[Path]:
-    """Remove the build locks under `root` (default: `extensions_root()`) that no build holds; return them.
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem `path` lies on ("" if /proc/self/mountinfo cannot be read)."""
+    try:
+        return mount_type(Path("/proc/self/mountinfo").read_text(), os.path.realpath(path))
+    except OSError:
+        return ""
 
-    Returns once no lock is left that could still be stale: a live one (open here) is left to torch,
-    which waits for it; one on a network filesystem is waited on until it goes or is `stale_s` old.
-    Safe to run in several processes at once (every learner rank does).
+
+def clear_stale_build_locks(log: Any, root: Path | None = None, sleep: Callable[[float], None] = time.sleep,
+                            clock: Callable[[], float] = time.monotonic) -> list[Path]:
+    """Remove the build locks under `root` (default: `extensions_root()`) that are certainly stale; return them.
+
+    Returns when no lock is left but live ones (open here, left to torch). Waits, with a warning every
+    NOTE_EVERY_S, while one that could be another node's build is there. Safe to run in several
+    processes at once.
     """
     root = extensions_root() if root is None else root
+    try:
+        pending = sorted(root.glob("*/lock"))
+    except OSError as e:
+        log.warning("learner.build_locks_unreadable", root=str(root), error=str(e))
+        return []
     removed: list[Path] = []
-    pending = sorted(root.glob("*/lock")) if root.is_dir() else []
-    last_note = -math.inf
+    next_note = clock()
     while pending:
-        waiting = []
+        unsure = []
         for lock in pending:
-            if (seen := _unheld(lock, log)) is None:
-                continue  # gone, or a build holds it (torch waits for that one)
-            age = clock() - seen.st_mtime
-            fstype = filesystem_type(lock)
-            if fstype in NETWORK_FS and age < stale_s:
-                waiting.append(lock)
+            state = _look(lock, log)
+            if state is None:
+                continue  # gone, or a build here holds it
+            seen, certain = state
+            if not certain:
+                unsure.append(lock)
                 continue
-            # A builder closes the file just before deleting it: look again after that moment has surely
+            # A builder closes the file just before it deletes it: look again once that moment has surely
             # passed, and remove only the same file (another process may have taken a new lock since).
             sleep(RECHECK_S)
-            again = _unheld(lock, log)
-            if again is None or (again.st_ino, again.st_ctime_ns) != (seen.st_ino, seen.st_ctime_ns):
+            again = _look(lock, log)
+            if again is None or not again[1] or (again[0].st_ino, again[0].st_ctime_ns) != (seen.st_ino, seen.st_ctime_ns):
                 continue
             try:
                 lock.unlink()
             except FileNotFoundError:
                 continue  # another rank removed it first
+            except OSError as e:
+                log.warning("learner.build_lock_kept", lock=str(lock), error=str(e))
+                continue
             removed.append(lock)
-            log.warning("learner.build_lock_removed", lock=str(lock), age_s=round(age, 1), filesystem=fstype,
+            log.warning("learner.build_lock_removed", lock=str(lock), filesystem=filesystem_type(lock),
                         reason="no process has it open: a build was killed while it held the lock")
-        pending = waiting
+        pending = unsure
         if pending:
-            if clock() - last_note >= 30:
-                last_note = clock()
-                log.warning("learner.build_lock_wait", locks=[str(p) for p in pending], removed_at_age_s=stale_s,
-                            hint="on a network filesystem another node may be building; remove them by hand if none is")
+            if clock() >= next_note:
+                next_note = clock() + NOTE_EVERY_S
+                log.warning("learner.build_lock_wait", locks=[str(p) for p in pending],
+                            filesystem=[filesystem_type(p) for p in pending],
+                            hint="no process here has these open, but another node (shared filesystem) or another "
+                                 "user may be building; DeepSpeed would wait for them forever. If none is, delete them.")
             sleep(1.0)
     return removed
 
 
-def _unheld(lock: Path, log: Any) -> os.stat_result | None:
-    """The lock's stat if it exists and no process here has it open, else None."""
+def _look(lock: Path, log: Any) -> tuple[os.stat_result, bool] | None:
+    """None if the lock is gone or a process here holds it; else its stat, and whether it is certainly stale."""
     try:
         st = lock.stat()
     except FileNotFoundError:
         return None
-    if pids := holders(lock):
+    except OSError as e:
+        log.warning("learner.build_lock_kept", lock=str(lock), error=str(e))
+        return None
+    pids = holders(lock)
+    if pids:
         log.info("learner.build_lock_held", lock=str(lock), pids=pids)
         return None
-    return st
+    return st, pids is not None and lock.is_file() and filesystem_type(lock) in LOCAL_FS

@@ -47,6 +47,9 @@ from protocol.logs import set_context, setup_logging
 from protocol.net import pin_cpus
 from protocol.progress import phase
 
+# What the actor hears from its connection's monitor: a closed connection, a refused key.
+CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
 
 class Actor:
     def __init__(self, cfg: Config, learner: str, actor_id: str | None = None):
@@ -82,7 +85,8 @@ class Actor:
         with phase(self.log, "actor.engine_warmup"):
             await self.engine.warm_up()
         ctx = zmq.asyncio.Context()
-        self.sock = transport.client_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self.keys)
+        self.sock = transport.client_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self.keys,
+                                            events=CONNECTION_EVENTS)
         try:
             self._spawn(self._receive())
             self._spawn(self._heartbeat())
@@ -133,7 +137,7 @@ class Actor:
         - closed: the first sign of a dead learner (a restarted one would answer unknown_actor);
         - key refused: final (libzmq does not retry a refused handshake), so say so and exit non-zero
           instead of waiting forever."""
-        async with aclosing(transport.socket_events(self.sock, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)) as events:
+        async with aclosing(transport.socket_events(self.sock, CONNECTION_EVENTS)) as events:
             async for event in events:
                 if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     self.log.error("actor.key_refused", learner=self.learner, status=int(event["value"]), key=self.cfg.auth.client_key,

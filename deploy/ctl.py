@@ -10,6 +10,7 @@ A hub with CURVE on admits an operator only with an authorised key, as it does a
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -28,10 +29,12 @@ def request(addr: str, msg: m.Message, timeout_s: float = 5.0, keys: ClientKeys 
     """Send one request to the hub at `addr` and return its validated reply (an Error reply included)."""
     ctx = zmq.Context()
     sock = transport.ops_socket(ctx, addr, keys=keys)
-    # A refused CURVE key is otherwise indistinguishable from a learner that is not there: watch for it.
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    # A refused CURVE key is otherwise indistinguishable from a learner that is not there: its monitor,
+    # attached before the socket connected, reports it.
+    monitor = sock.get_monitor_socket()
     try:
-        sock.send_multipart(encode(msg), copy=False)
+        frames: list[Any] = encode(msg)  # pyzmq's stubs do not count ndarrays as buffers
+        sock.send_multipart(frames, copy=False)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)

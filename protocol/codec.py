@@ -34,7 +34,7 @@ import numpy as np
 
 from protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, ProtocolError
 
-Buffer = bytes | bytearray | memoryview | np.ndarray
+Buffer = bytes | bytearray | memoryview | np.ndarray  # what encode returns; pyzmq sends any of them (buffer protocol)
 _DTYPE_NDIM, _CONTIGUOUS = operator.attrgetter("dtype", "ndim"), operator.attrgetter("flags.c_contiguous")
 _NBYTES_TYPES = (memoryview, np.ndarray)  # frames whose len() is not their size in bytes
 

@@ -64,9 +64,15 @@ def hub_socket(
 
 def client_socket(
     ctx: zmq.asyncio.Context, connect: str, hwm: int, max_frame_bytes: int, keys: ClientKeys | None = None,
-    kind: int = zmq.DEALER,
+    kind: int = zmq.DEALER, events: int = 0,
 ) -> zmq.asyncio.Socket:
-    """Every socket that dials the hub (actor, ctl, status) is made here; `keys` from `auth.client_keys`."""
+    """Every socket that dials the hub (actor, ctl, status) is made here; `keys` from `auth.client_keys`.
+
+    `events`: a monitor event mask. The monitor is attached before the socket connects: attached after,
+    it can miss the first connection's events, and a refused key is refused once, on the first
+    handshake (the actor once sat unaware of its refused key; test_auth caught it). Read the events with
+    `socket_events(sock, events)` or `sock.get_monitor_socket()`, both of which return this monitor.
+    """
     sock = ctx.socket(kind)
     _bound(sock, hwm, max_frame_bytes)
     sock.setsockopt(zmq.RECONNECT_IVL, 200)
@@ -75,6 +81,8 @@ def client_socket(
         sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+    if events:
+        sock.get_monitor_socket(events)  # pyzmq keeps it: later get_monitor_socket calls return this one
     sock.connect(connect)
     return sock
 
@@ -82,9 +90,10 @@ def client_socket(
 def ops_socket(ctx: zmq.Context, connect: str, max_frame_bytes: int = 16 << 20, keys: ClientKeys | None = None) -> zmq.Socket:
     """An operator's one-shot client (`fleetrl ctl`, `fleetrl status`): a blocking DEALER to the hub.
 
-    The caller waits a bounded time for its reply and gives up (a refused key looks like silence).
+    The caller waits a bounded time for its reply and gives up. A refused key would look like silence, so
+    the socket's monitor reports it (EVENT_HANDSHAKE_FAILED_AUTH, from `sock.get_monitor_socket()`).
     """
-    return client_socket(ctx, connect, 16, max_frame_bytes, keys)  # type: ignore[arg-type, return-value]  # any context
+    return client_socket(ctx, connect, 16, max_frame_bytes, keys, events=zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # type: ignore[arg-type, return-value]  # any context
 
 
 actor_socket = client_socket  # the name existing callers use
@@ -94,7 +103,9 @@ async def socket_events(sock: zmq.asyncio.Socket, events: int) -> AsyncGenerator
     """Yield `sock`'s monitor events of the mask `events` (parsed: "event", "value", "endpoint").
 
     libzmq allows one monitor per socket (a second replaces the first), so a client that must
-    hear several kinds of event watches them all here, with one mask.
+    hear several kinds of event watches them all here, with one mask. Give the same mask to
+    `client_socket(events=...)`: this then reads the monitor attached before the socket connected
+    (pyzmq returns the existing monitor), and misses nothing.
     """
     monitor = sock.get_monitor_socket(events)
     try:

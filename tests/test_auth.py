@@ -281,7 +281,7 @@ def test_a_refused_client_learns_it_is_refused(tmp_path):
 
     async def verdict(keys):
         ctx = zmq.asyncio.Context()
-        sock = transport.client_socket(ctx, cfg.hub.bind, 64, 1 << 20, keys)
+        sock = transport.client_socket(ctx, cfg.hub.bind, 64, 1 << 20, keys, events=zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         try:
             async with aclosing(transport.socket_events(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH)) as events:
                 return int((await asyncio.wait_for(anext(events), timeout=2.0))["value"])  # the ZAP status

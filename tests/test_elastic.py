@@ -81,12 +81,17 @@ def test_actors_killed_mid_generation_and_mid_sync(tmp_path, tiny_model_dir):
         fleet.wait_for("learner", "hub.actor_first_group", lambda e: e["actor"] == "victim", timeout=300)
         fleet.wait_for("learner", "learner.step", lambda e: e["step"] >= 3 + rng.randint(0, 4), timeout=120)
         while True:  # `fleetrl status`'s request says which prompts each actor holds now
+            # Frozen first, so what status reports it holds is still held at the kill. Unfrozen, it once delivered
+            # all 4 between the query and the kill (CI, a fresh clone), and its removal rightly requeued none.
+            fleet.kill("victim", signal.SIGSTOP)
+            time.sleep(0.2)  # groups it sent before it stopped land first
             status = fetch(fleet.addr)
             leases = dict(zip(status.actor_ids, status.actor_leases.tolist(), strict=True))
             if leases["victim"] > 0:
                 break
-            time.sleep(0.01)
-        fleet.kill("victim")
+            fleet.kill("victim", signal.SIGCONT)
+            time.sleep(0.05)
+        fleet.kill("victim")  # SIGKILL ends a stopped process too
         removed = fleet.wait_for("learner", "hub.actor_removed", lambda e: e["actor"] == "victim", timeout=30)
 
         # 2. As a weight sync starts: the first broadcast to the two survivors after a random later step.

@@ -80,17 +80,26 @@ def test_actors_killed_mid_generation_and_mid_sync(tmp_path, tiny_model_dir):
         # 1. Mid-generation: once the victim has delivered, at a random step, the moment it holds prompts.
         fleet.wait_for("learner", "hub.actor_first_group", lambda e: e["actor"] == "victim", timeout=300)
         fleet.wait_for("learner", "learner.step", lambda e: e["step"] >= 3 + rng.randint(0, 4), timeout=120)
-        while True:  # `fleetrl status`'s request says which prompts each actor holds now
-            # Frozen first, so what status reports it holds is still held at the kill. Unfrozen, it once delivered
-            # all 4 between the query and the kill (CI, a fresh clone), and its removal rightly requeued none.
-            fleet.kill("victim", signal.SIGSTOP)
-            time.sleep(0.2)  # groups it sent before it stopped land first
+
+        def leases() -> dict[str, int]:  # `fleetrl status`'s request says which prompts each actor holds now
             status = fetch(fleet.addr)
-            leases = dict(zip(status.actor_ids, status.actor_leases.tolist(), strict=True))
-            if leases["victim"] > 0:
+            return dict(zip(status.actor_ids, status.actor_leases.tolist(), strict=True))
+
+        # Frozen the moment the hub logs a grant to it, so it is generating; the kill follows once status has
+        # shown that it still holds prompts. The tiny model finishes a group in tens of milliseconds: killed
+        # after a status query instead, the victim once delivered all 4 prompts in between (CI, a fresh clone)
+        # and its removal rightly requeued none, and frozen after a query it had often just finished.
+        seen = len(fleet.log("learner"))
+        while True:
+            fleet.wait_for("learner", "hub.granted", lambda e: any(g[0] == "victim" for g in e["grants"]), after=seen,
+                           timeout=60, poll_s=0.001)
+            fleet.kill("victim", signal.SIGSTOP)
+            seen = len(fleet.log("learner"))
+            time.sleep(0.2)  # groups it sent before it stopped land first
+            held = leases()
+            if held["victim"] > 0:
                 break
             fleet.kill("victim", signal.SIGCONT)
-            time.sleep(0.05)
         fleet.kill("victim")  # SIGKILL ends a stopped process too
         removed = fleet.wait_for("learner", "hub.actor_removed", lambda e: e["actor"] == "victim", timeout=30)
 
@@ -112,7 +121,7 @@ def test_actors_killed_mid_generation_and_mid_sync(tmp_path, tiny_model_dir):
     assert max(_mismatches(rows)) < 1e-4, _mismatches(rows)
     late = [r for r in rows if r["policy_version"] > killed_at + 1]
     assert len(late) >= 3 and max(_mismatches(late)) < 1e-4  # the keeper kept getting weights, and they were right
-    assert leases["victim"] >= 1 and removed["why"] == "connection closed" and removed["requeued"] >= 1, removed  # at once
+    assert held["victim"] >= 1 and removed["why"] == "connection closed" and removed["requeued"] >= 1, removed  # at once
     done = fleet.find("learner", "learner.done")[0]
     ledger, counts = done["ledger"], done["ledger_counts"]
     assert sum(ledger.values()) == done["ledger_epochs"] * done["ledger_prompts"]  # every prompt of every epoch

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -64,4 +65,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # as learner/main.py does: left to interpreter exit, gloo's teardown sometimes aborts a finished rank (SIGABRT)
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -62,7 +62,6 @@ def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: li
     elapsed = time.perf_counter() - t0
     if topo.is_root:
         Path(out).write_text(json.dumps({"tokens_per_s": tokens / elapsed, "s_per_update": elapsed / updates}))
-    torch.distributed.destroy_process_group()  # left to interpreter exit, gloo's teardown sometimes aborts a finished rank
 
 
 def run_stage(model_dir: Path, label: str, overrides: list[str], args) -> dict:

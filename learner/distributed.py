@@ -12,6 +12,7 @@ process, with a local rendezvous made here. gloo on CPU, NCCL on GPUs.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,12 @@ class Topology:
 
 
 def init_distributed() -> None:
-    """Join (or, for a lone process, create) the learner's default process group."""
+    """Join (or, for a lone process, create) the learner's default process group.
+
+    The groups are destroyed at interpreter exit (atexit), before Python's own teardown. Left to that
+    teardown, gloo sometimes killed a rank that had finished cleanly ("terminate called without an active
+    exception", SIGABRT), and torchrun reported the run failed: the learner's ranks, the test drivers.
+    """
     import deepspeed
 
     if "RANK" not in os.environ:
@@ -52,6 +58,12 @@ def init_distributed() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     clear_stale_build_locks(structlog.get_logger())  # else a build killed earlier hangs DeepSpeed's op loading
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    atexit.register(_destroy_groups)
+
+
+def _destroy_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def make_topology(sp_size: int) -> Topology:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from learner.checkpoint import WRITE_ERRORS, CheckpointManager, hf_writer, staging_dir
 from learner.data import load_datasets
@@ -60,13 +59,8 @@ def run_learner(cfg: Config, resume: bool = False) -> int:
     `resume`: continue from the newest complete checkpoint in run.dir (learner/resume.py).
     """
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    init_distributed()
-    try:
-        return _run_rank(cfg, resume)
-    finally:
-        # Left to interpreter exit, a follower rank sometimes died in gloo's teardown ("terminate called
-        # without an active exception", SIGABRT) after finishing cleanly, and torchrun reported a failed run.
-        dist.destroy_process_group()
+    init_distributed()  # its groups are destroyed at exit, before gloo's own teardown could abort a finished rank
+    return _run_rank(cfg, resume)
 
 
 def _run_rank(cfg: Config, resume: bool) -> int:

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -97,8 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:  # as learner/main.py does: left to interpreter exit, gloo's teardown sometimes aborts a finished rank (SIGABRT)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    main()

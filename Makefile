@@ -10,7 +10,8 @@ ARGS ?=
 
 .PHONY: demo test test-fast lint bench clean
 
-$(STAMP): pyproject.toml
+# setup.py and the .pyx: a changed protocol/_fastcodec.pyx is compiled again by the editable install.
+$(STAMP): pyproject.toml setup.py protocol/_fastcodec.pyx
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_EXTRA) torch==2.13.0
 	$(PY) -m pip install -q $(PIP_EXTRA) -e '.[cpu,dev]'

@@ -6,8 +6,11 @@ Columns (both in two processes over TCP loopback, the sockets `protocol.transpor
   fleetrl  the sender encodes the group for every message (`transport.send`: msgpack header
            + raw array frames) over the same call; the receiver makes the same receive call
            and then `decode`s (validates every field, builds the RolloutGroup) each message.
-  ratio    fleetrl msg/s / raw msg/s of one raw/fleetrl pair run back to back; the table shows
-           the median over --repeats pairs and the spread (min-max). Target >= 0.8.
+           encode and decode run their compiled fast paths (protocol/_fastcodec.pyx).
+  python   the same as fleetrl with the Python encoder and decoder alone (`codec.encode_python`,
+           `codec.decode_python`): what the compiled fast paths save.
+  ratio    fleetrl (or python) msg/s / raw msg/s of one raw/fleetrl/python triple run back to back;
+           the table shows the median over --repeats triples and the spread (min-max). Target >= 0.8.
   cpu us/msg  CPU time of both processes (all their threads, the zmq IO threads included) per
            message: less sensitive to other load on the machine than msg/s.
 
@@ -28,11 +31,12 @@ import zmq.asyncio
 
 from protocol import messages as m
 from protocol import transport
-from protocol.codec import encode
+from protocol.codec import decode_python, encode, encode_python
 from protocol.net import free_port
 
 HWM, MAX_FRAME = 256, 64 << 20
 PAYLOADS = [(8, 64), (8, 1024), (16, 8192)]  # completions x tokens per completion
+MODES = ("raw", "fleetrl", "python")
 
 
 def make_group(completions: int, tokens: int) -> m.RolloutGroup:
@@ -57,6 +61,9 @@ def _receiver(port: int, mode: str, count: int, out) -> None:
             if mode == "fleetrl":
                 msg = transport.decode_frames(frames[1:], MAX_FRAME)
                 assert msg.prompt_id == 1
+            elif mode == "python":
+                msg = decode_python(frames[1:], MAX_FRAME)
+                assert msg.prompt_id == 1
         out.put(("recv", time.perf_counter() - t0, time.process_time() - cpu0))
         sock.close(linger=0)
         ctx.term()
@@ -73,6 +80,8 @@ def _sender(port: int, mode: str, count: int, group: m.RolloutGroup, out) -> Non
         for _ in range(count):
             if mode == "fleetrl":
                 await transport.send(sock, group)
+            elif mode == "python":
+                await sock.send_multipart(encode_python(group), copy=False)
             else:
                 await sock.send_multipart(raw, copy=False)
         out.put(("send", 0.0, time.process_time() - cpu0))
@@ -101,7 +110,7 @@ def measure(mode: str, group: m.RolloutGroup, count: int) -> tuple[float, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5, help="raw/fleetrl pairs per payload, run alternately")
+    ap.add_argument("--repeats", type=int, default=5, help="raw/fleetrl/python triples per payload, run in turn")
     ap.add_argument("--seconds", type=float, default=1.5, help="about how long one measurement runs")
     args = ap.parse_args()
     rows = []
@@ -110,20 +119,23 @@ def main() -> None:
         size = sum(memoryview(f).nbytes for f in encode(group))
         rate, _ = measure("raw", group, 2000)  # sizes the runs so each takes about --seconds
         count = max(200, int(rate * args.seconds))
-        runs: dict[str, list[tuple[float, float]]] = {"raw": [], "fleetrl": []}
+        runs: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
         for _ in range(args.repeats):
-            for mode in ("raw", "fleetrl"):
+            for mode in MODES:
                 runs[mode].append(measure(mode, group, count))
-        ratios = [f[0] / r[0] for r, f in zip(runs["raw"], runs["fleetrl"], strict=True)]
+        ratios = {mode: [f[0] / r[0] for r, f in zip(runs["raw"], runs[mode], strict=True)] for mode in MODES[1:]}
         med = {mode: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for mode, v in runs.items()}
         rows.append((f"{completions}x{tokens} tokens", size, med, ratios))
     print(f"\n{'payload':<18}{'bytes/msg':>11}{'raw msg/s':>11}{'fleetrl msg/s':>15}{'ratio':>7}{'(min-max)':>12}"
-          f"{'raw cpu us/msg':>16}{'fleetrl cpu us/msg':>20}")
+          f"{'python-only ratio':>19}{'cpu us/msg: raw':>17}{'fleetrl':>9}{'python':>8}")
     for name, size, med, ratios in rows:
-        print(f"{name:<18}{size:>11,}{med['raw'][0]:>11,.0f}{med['fleetrl'][0]:>15,.0f}{statistics.median(ratios):>7.2f}"
-              f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>12}{med['raw'][1]:>16.1f}{med['fleetrl'][1]:>20.1f}")
-    print(f"\nmedians of {args.repeats} raw/fleetrl pairs; ratio = fleetrl / raw msg/s within each pair (target >= 0.8).")
-    print("raw: the same frames received without decoding; fleetrl: encode + send + receive + validated decode.")
+        fast, slow = ratios["fleetrl"], ratios["python"]
+        print(f"{name:<18}{size:>11,}{med['raw'][0]:>11,.0f}{med['fleetrl'][0]:>15,.0f}{statistics.median(fast):>7.2f}"
+              f"{f'{min(fast):.2f}-{max(fast):.2f}':>12}{f'{statistics.median(slow):.2f} ({min(slow):.2f}-{max(slow):.2f})':>19}"
+              f"{med['raw'][1]:>17.1f}{med['fleetrl'][1]:>9.1f}{med['python'][1]:>8.1f}")
+    print(f"\nmedians of {args.repeats} raw/fleetrl/python triples; ratio = fleetrl / raw msg/s within each triple (target >= 0.8).")
+    print("raw: the same frames received without decoding; fleetrl: encode + send + receive + validated decode;")
+    print("python-only: fleetrl without the compiled fast paths (protocol/_fastcodec.pyx).")
 
 
 if __name__ == "__main__":

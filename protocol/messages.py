@@ -127,6 +127,8 @@ class RolloutGroup(Message):
     reward_s: float  # seconds spent scoring
 
     def check(self) -> None:
+        # protocol/_fastcodec.pyx (_rollout_ok) compiles these checks for the decoder's fast path: change
+        # both together (tests/test_fastcodec.py fuzzes the two against each other).
         # n (completions in a group) is small: plain Python over n values costs less than one
         # numpy reduction (~1.3 us of call overhead each), and decode runs once per group.
         lengths = self.lengths.tolist()

@@ -50,4 +50,4 @@ bench: $(STAMP)
 	$(PY) -m bench.actor_scaling
 
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) .cache runs build protocol/_fastcodec.c protocol/_fastcodec.*.so

@@ -14,18 +14,25 @@ holds it to that by fuzzing both on the same inputs.
 
 Why it exists: decode runs once per rollout group on the hub's one thread, between the event loop's
 receive calls, and those evict the interpreter's code and data from the cache. In that loop the Python
-decoder cost 17.5 us per 8x64-token group against 38 us for the receive itself. Here it costs 2.5 us
+decoder cost 17.5 us per 8x64-token group against 38 us for the receive itself. Here it costs 2.4 us
 under timeit against 8.9 (bench/channel.py has the end-to-end figures).
 
 The per-type plans come from codec's schemas (`codec._Schema`), so the wire layout is defined once.
 """
 
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int32_t, int64_t
+from libc.string cimport memcpy
 
 cimport numpy as cnp
 
 cnp.import_array()
+
+cdef extern from *:
+    const char* FASTCODEC_SOURCE_SHA  # setup.py defines it: the sha256 of this file, so codec can refuse a stale build
+
+SOURCE_SHA = FASTCODEC_SOURCE_SHA.decode("ascii")
 
 cdef extern from "numpy/arrayobject.h":
     # np.frombuffer's own implementation: a buffer that must be released is wrapped in a memoryview,
@@ -33,10 +40,11 @@ cdef extern from "numpy/arrayobject.h":
     object PyArray_FromBuffer(object buf, cnp.dtype dtype, cnp.npy_intp count, cnp.npy_intp offset)
 
 # The bits of 1e30 as a float32. The Python check sums the float32 logprobs and calls the sum
-# non-finite if it overflows. Values below 1e30 cannot make it overflow (340M of them, a 1.3 GB frame,
-# sum under float32's max of 3.4e38; the default frame limit is 64 MB), so the fast path takes only
-# those and leaves anything larger to the Python check.
+# non-finite if it overflows. Fewer than MAX_LOGPROBS values below 1e30 cannot make it overflow (they sum
+# under 2.7e38; float32's max is 3.4e38), so the fast path takes only those, and leaves larger values and
+# longer groups (over 1 GB of logprobs: the default frame limit is 64 MB) to the Python check.
 cdef int32_t LOGPROB_LIMIT_BITS = 0x7149F2CA
+cdef Py_ssize_t MAX_LOGPROBS = 1 << 28
 cdef int32_t INF_BITS = 0x7F800000
 
 
@@ -110,44 +118,55 @@ cdef bint _all_str(object v):
     return True
 
 
+cdef inline int32_t _load(const char* p, Py_ssize_t i) noexcept nogil:
+    """The i-th 4-byte value at p, aligned or not. Frames received over TCP start at any offset in libzmq's
+    receive buffer, and reading them through an int32_t* would be undefined; a 4-byte memcpy compiles to
+    one unaligned load (movdqu when vectorised)."""
+    cdef int32_t v
+    memcpy(&v, p + 4 * i, 4)
+    return v
+
+
 cdef bint _floats_below(cnp.ndarray a, int32_t limit_bits):
     """Every float32 value finite, with a magnitude below the float whose bits are limit_bits."""
-    cdef const int32_t* p = <const int32_t*>cnp.PyArray_DATA(a)
+    cdef const char* p = <const char*>cnp.PyArray_DATA(a)
     cdef Py_ssize_t i, n = cnp.PyArray_SIZE(a)
     cdef int32_t over = 0
     for i in range(n):  # the magnitude bits order as the floats do; an OR of compares, vectorised with plain SSE2
-        over |= (p[i] & 0x7FFFFFFF) >= limit_bits
+        over |= (_load(p, i) & 0x7FFFFFFF) >= limit_bits
     return not over
 
 
 cdef bint _rollout_ok(object msg, list arrays):
     """RolloutGroup.check, compiled: True where it would pass (see LOGPROB_LIMIT_BITS)."""
     cdef cnp.ndarray lengths = arrays[1], tokens = arrays[2], logprobs = arrays[3], rewards = arrays[4]
-    cdef const int32_t* lp = <const int32_t*>cnp.PyArray_DATA(lengths)
+    cdef const char* lp = <const char*>cnp.PyArray_DATA(lengths)
     cdef Py_ssize_t i, n = cnp.PyArray_SIZE(lengths)
     cdef int64_t total = 0
-    cdef int32_t smallest = 0
+    cdef int32_t smallest = 0, length
     if n == 0:
         return False
     for i in range(n):
-        smallest = min(smallest, lp[i])
-        total += lp[i]
-    if smallest < 0 or cnp.PyArray_SIZE(tokens) != total or cnp.PyArray_SIZE(logprobs) != total:
+        length = _load(lp, i)
+        smallest = min(smallest, length)
+        total += length
+    if smallest < 0 or cnp.PyArray_SIZE(tokens) != total or cnp.PyArray_SIZE(logprobs) != total or total > MAX_LOGPROBS:
         return False
     if cnp.PyArray_SIZE(rewards) != n or len(msg.finish_reasons) != n or msg.version_max < msg.version_min:
         return False
     return _floats_below(rewards, INF_BITS) and _floats_below(logprobs, LOGPROB_LIMIT_BITS)
 
 
-def decode_fast(frames, Py_ssize_t max_frame_bytes):
-    if type(frames) is not list:
+def decode_fast(frames, max_frame_bytes):
+    if type(frames) is not list or type(max_frame_bytes) is not int or not 0 <= max_frame_bytes <= PY_SSIZE_T_MAX:
         return None
+    cdef Py_ssize_t limit = max_frame_bytes
     cdef list fl = <list>frames
     cdef Py_ssize_t nframes = len(fl), i
     if nframes == 0:
         return None
     for f in fl:
-        if type(f) not in _frame_types or len(f) > max_frame_bytes:
+        if type(f) not in _frame_types or len(f) > limit:
             return None
     try:
         header = _unpackb(fl[0])
@@ -179,7 +198,7 @@ def decode_fast(frames, Py_ssize_t max_frame_bytes):
         Py_INCREF(dtype)  # stolen by PyArray_FromBuffer
         try:
             arr = PyArray_FromBuffer(fl[i], <cnp.dtype>dtype, -1, 0)
-        except ValueError:  # not a whole number of elements
+        except (TypeError, ValueError):  # not a whole number of elements (numpy's own check)
             return None
         if cnp.PyArray_DIM(arr, 0) != vals[plan.nfields + i - 1]:  # compared as Python ints: any value is safe
             return None

@@ -32,12 +32,14 @@ ProtocolError with a message that names the problem, and nothing else escapes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import operator
 import sys
 import typing
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -45,13 +47,6 @@ import numpy as np
 import zmq
 
 from protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, ProtocolError, RolloutGroup
-
-try:
-    from protocol import _fastcodec  # compiled from protocol/_fastcodec.pyx by `pip install` (setup.py)
-except ImportError as e:  # a checkout that was never installed: the Python paths alone, slower
-    _fastcodec = None  # type: ignore[assignment]
-    warnings.warn(f"protocol._fastcodec is not built ({e}); `pip install -e .` builds it (needs a C compiler). "
-                  "Messages are encoded and decoded in Python, about 3x slower.", RuntimeWarning, stacklevel=1)
 
 Buffer = bytes | bytearray | memoryview | np.ndarray  # what encode returns; pyzmq sends any of them (buffer protocol)
 _DTYPE_NDIM, _CONTIGUOUS = operator.attrgetter("dtype", "ndim"), operator.attrgetter("flags.c_contiguous")
@@ -296,6 +291,24 @@ def _decode_declined(frames: Any, max_frame_bytes: int) -> Message | None:
     return None
 
 
+def _load_fastcodec() -> Any:
+    """protocol._fastcodec (compiled by `pip install`, setup.py), or None with a warning where it is missing or
+    was built from another version of the .pyx beside it (a stale build is never used)."""
+    try:
+        from protocol import _fastcodec
+    except ImportError as e:  # no C compiler at install, or a checkout never installed
+        reason = f"not built ({e})"
+    else:
+        source = Path(__file__).with_name("_fastcodec.pyx")
+        if not source.exists() or hashlib.sha256(source.read_bytes()).hexdigest() == _fastcodec.SOURCE_SHA:
+            return _fastcodec
+        reason = "stale: built from another version of protocol/_fastcodec.pyx"
+    warnings.warn(f"protocol._fastcodec is {reason}. `pip install -e .` builds it (needs a C compiler); until then "
+                  "messages are encoded and decoded in Python alone, about 3x slower.", RuntimeWarning, stacklevel=2)
+    return None
+
+
+_fastcodec = _load_fastcodec()
 _encode_fast, _decode_fast = _encode_declined, _decode_declined
 if _fastcodec is not None and sys.byteorder == "little":  # the fast paths read the little-endian wire format natively
     _fastcodec.setup(_plans(), msgpack.packb, msgpack.unpackb, PROTOCOL_VERSION, (bytes, zmq.Frame))

@@ -21,6 +21,8 @@ from protocol import codec
 from protocol import messages as m
 
 LIMIT = 64 << 20
+_GROUP = next(s for s in SAMPLES if type(s) is m.RolloutGroup)
+_GROUP_VALUES = codec._SCHEMAS["RolloutGroup"].fields
 PLANNED = {type(s).__name__ for s in SAMPLES} - {"WeightSync"}  # WeightSync's list[list[int]] stays in Python
 
 
@@ -49,6 +51,11 @@ def _compare(frames, limit=LIMIT):
     if got is not None:
         assert want is not None, "the fast path accepted what the Python decoder refuses"
         _assert_same_message(got, want)
+    if type(frames) is list and all(type(f) is bytes for f in frames):  # the same bytes as zmq gives them
+        again = codec._decode_fast([zmq.Frame(f) for f in frames], limit)
+        assert (again is None) == (got is None)
+        if again is not None:
+            _assert_same_message(again, want)
     return got, want
 
 
@@ -85,22 +92,51 @@ def test_encode_fast_declines_what_python_must_fix_or_refuse():
             codec.encode(g)
 
 
-def test_zmq_frames_decode_fast_and_the_arrays_keep_them_alive():
+def _base_chain(arr):
+    base = arr.base
+    while isinstance(base, memoryview | np.ndarray):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    return base
+
+
+def test_frames_received_over_tcp_decode_fast_and_the_arrays_keep_them_alive():
     g = rollout_group(n=5)
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    a.bind("inproc://fast")
-    b.connect("inproc://fast")
+    port = b.bind_to_random_port("tcp://127.0.0.1")
+    a.connect(f"tcp://127.0.0.1:{port}")
     a.send_multipart(codec.encode(g), copy=False)
     frames = b.recv_multipart(copy=False)
     out = codec._decode_fast(frames, LIMIT)
-    assert out is not None and not out.completion_tokens.flags.owndata  # a view of the received frame
-    del frames
+    assert out is not None
+    for name, frame in zip(m.RolloutGroup.ARRAYS, frames[1:], strict=True):  # views that hold their frame
+        assert _base_chain(getattr(out, name)) is frame, name
+    del frames, frame
     gc.collect()
     _assert_same_message(out, g)
-    a.close()
-    b.close()
+    a.close(linger=0)
+    b.close(linger=0)
     ctx.term()
+
+
+def test_arrays_at_any_alignment():
+    """TCP frames start at any offset in libzmq's receive buffer: the compiled checks read them unaligned."""
+
+    def shifted(msg, offset):  # zmq.Frames over the frames' bytes starting `offset` bytes into an aligned buffer
+        frames = [bytes(f) for f in codec.encode(msg)]
+        return [frames[0], *[zmq.Frame(memoryview(bytes(offset) + f)[offset:], copy=False) for f in frames[1:]]]
+
+    for offset in range(4):
+        g = rollout_group(n=6)
+        out = codec._decode_fast(shifted(g, offset), LIMIT)
+        assert out is not None
+        assert out.behaviour_logprobs.ctypes.data % 4 == offset and out.behaviour_logprobs.flags.aligned == (offset == 0)
+        _assert_same_message(out, g)
+        g.behaviour_logprobs[-1] = np.nan  # the last value: the vectorised loop's tail
+        assert codec._decode_fast(shifted(g, offset), LIMIT) is None
+        g = rollout_group(n=6)
+        g.lengths[-1] = -1
+        assert codec._decode_fast(shifted(g, offset), LIMIT) is None
 
 
 def test_other_frame_types_are_left_to_python():
@@ -192,6 +228,13 @@ def test_fuzz_mutated_bytes_fast_equals_python(which, pos, patch):
 
 @settings(max_examples=300, deadline=None)
 @given(hs.integers(0, 3), _ANY)
+@example(0, float(m.PROTOCOL_VERSION))  # a version that compares equal but is not an int
+@example(0, True)
+@example(0, m.PROTOCOL_VERSION + 1)
+@example(1, ["RolloutGroup"])  # unhashable
+@example(1, "WorkGrant")  # another type's name over these frames
+@example(2, "int32 int32 int32 float32 float64")
+@example(3, {})
 def test_fuzz_header_parts_fast_equals_python(part, obj):
     frames = codec.encode(rollout_group())
     header = _header(frames)
@@ -199,15 +242,40 @@ def test_fuzz_header_parts_fast_equals_python(part, obj):
     _compare(_with_header(frames, header))
 
 
-@settings(max_examples=400, deadline=None)
-@given(hs.integers(0, 17), _ANY | hs.integers(-5, 40))
-def test_fuzz_values_and_dims_fast_equals_python(index, obj):
-    """One field value or array dim replaced: includes wrong types, ints for floats, and dims off by a little."""
-    frames = codec.encode(rollout_group())
+@settings(max_examples=600, deadline=None)
+@given(hs.integers(0, len(SAMPLES) - 1), hs.integers(0, 17), _ANY | hs.integers(-5, 40))
+@example(SAMPLES.index(_GROUP), _GROUP_VALUES.index("finish_reasons"), ["stop", 1, "stop"])  # a list[str] holding an int
+@example(SAMPLES.index(_GROUP), _GROUP_VALUES.index("gen_s"), True)
+@example(SAMPLES.index(_GROUP), _GROUP_VALUES.index("epoch"), 1.0)
+def test_fuzz_values_and_dims_fast_equals_python(which, index, obj):
+    """One field value or array dim of any message type replaced: wrong types (bool for int, int for float
+    and the reverse), values the type's check() refuses, and dims off by a little."""
+    frames = codec.encode(SAMPLES[which])
     header = _header(frames)
     values = header[3]
     values[index % len(values)] = obj
     _compare(_with_header(frames, header))
+
+
+def test_missing_and_extra_frames():
+    frames = [bytes(f) for f in codec.encode(rollout_group())]
+    for bad in (frames[:-1], [*frames, frames[-1]], [*frames, b""], frames[:1]):
+        assert _compare(bad) == (None, None)
+
+
+def test_a_limit_of_any_type_or_size_never_raises():
+    frames = codec.encode(rollout_group())
+    for limit in (6.4e7, 1 << 70, -1, "64"):
+        assert codec._decode_fast(frames, limit) is None
+    assert codec.decode(frames, 1 << 70).prompt_id == 7
+
+
+def test_a_stale_build_is_not_used(monkeypatch):
+    """A .so built from another version of the .pyx (edited since, not rebuilt) is refused, with a warning."""
+    assert codec._load_fastcodec() is codec._fastcodec
+    monkeypatch.setattr(codec._fastcodec, "SOURCE_SHA", "0" * 64)
+    with pytest.warns(RuntimeWarning, match="stale"):
+        assert codec._load_fastcodec() is None
 
 
 @settings(max_examples=200, deadline=None)

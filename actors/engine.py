@@ -36,6 +36,8 @@ def engine_env(cfg: Config) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.actor.kvcache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.actor.cpu_bind)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.actor.threads))
+    # Not a default the environment may override: actor.worker_in_engine decides (protocol/config.py).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.actor.worker_in_engine else "1"
 
 
 class Engine:

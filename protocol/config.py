@@ -162,6 +162,11 @@ class ActorConfig:
     max_num_seqs: int = 256  # engine's concurrent sequences (continuous batching width)
     threads: int = 1  # CPU threads for the engine's worker (OMP_NUM_THREADS)
     cpu_bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND: "nobind", "auto", or CPU ids such as "0-1"
+    # Run vLLM's model worker inside its engine-core process (vLLM's "uni" executor, as it does on a GPU with
+    # one device) instead of a process of its own (its default on CPU). One process fewer per actor, and none of
+    # the spin-waits between the two: 1.15-1.3x the samples/s with two actors on one core (bench.async_vs_sync).
+    # Needs cpu_bind = "nobind": vLLM binds OMP threads only in a worker process of its own.
+    worker_in_engine: bool = True
     max_groups: int = 8  # prompts an actor holds at once (asks for more below this)
     cpu_affinity: str = ""  # CPU ids the actor and its engine processes may run on, e.g. "1" ("" = all)
 
@@ -310,6 +315,8 @@ def _check(cfg: Config) -> None:
     _check_auth(cfg, need)
     need(cfg.actor.max_model_len > cfg.rollout.max_tokens, "actor.max_model_len", "must exceed rollout.max_tokens")
     need(cfg.actor.max_groups >= 1, "actor.max_groups", "must be >= 1")
+    need(not cfg.actor.worker_in_engine or cfg.actor.cpu_bind == "nobind", "actor.worker_in_engine",
+         f"must be false when actor.cpu_bind = {cfg.actor.cpu_bind!r}: vLLM binds OMP threads only in a worker process of its own")
     need(cfg.demo.num_actors >= 1, "demo.num_actors", "must be >= 1")
     need(cfg.demo.warmstart_steps >= 0, "demo.warmstart_steps", "must be >= 0")
     need(0 <= cfg.demo.warmstart_smoothing < 1, "demo.warmstart_smoothing", "must be in [0, 1)")

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from protocol.config import ConfigError, dump_toml, load_config
@@ -30,6 +32,7 @@ def test_overrides_parse_types():
         ("model.dtype=int8", "model.dtype"),
         ("actor.max_model_len=2", "actor.max_model_len"),
         ("train.cpu_affinity=zero", "train.cpu_affinity"),
+        ("actor.cpu_bind=auto", "actor.worker_in_engine"),  # binding OMP threads needs vLLM's own worker process
     ],
 )
 def test_errors_name_the_field(override, field):
@@ -55,3 +58,15 @@ def test_shipped_configs_load():
 
     for path in (Path(__file__).parent.parent / "configs").glob("*.toml"):
         load_config(path)
+
+
+def test_engine_env_follows_worker_in_engine(monkeypatch):
+    """actor.worker_in_engine decides where vLLM runs its worker; an inherited environment does not."""
+    from actors.engine import engine_env
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # engine_env sets other variables too: keep them here
+    for value, expected in (("true", "0"), ("false", "1")):
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if expected == "0" else "0")
+        engine_env(load_config(None, [f"actor.worker_in_engine={value}"]))
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == expected
+    assert load_config(None, ["actor.cpu_bind=auto", "actor.worker_in_engine=false"]).actor.cpu_bind == "auto"

@@ -164,7 +164,8 @@ class ActorConfig:
     cpu_bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND: "nobind", "auto", or CPU ids such as "0-1"
     # Run vLLM's model worker inside its engine-core process (vLLM's "uni" executor, as it does on a GPU with
     # one device) instead of a process of its own (its default on CPU). One process fewer per actor, and none of
-    # the spin-waits between the two: 1.15-1.3x the samples/s with two actors on one core (bench.async_vs_sync).
+    # the spin-waits between the two: `make demo` trained 2.8x faster (all processes on 2 cores), and with two
+    # actors pinned to one core bench.async_vs_sync gained 1.05-1.3x samples/s.
     # Needs cpu_bind = "nobind": vLLM binds OMP threads only in a worker process of its own.
     worker_in_engine: bool = True
     max_groups: int = 8  # prompts an actor holds at once (asks for more below this)

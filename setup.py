@@ -13,7 +13,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 SOURCE = "protocol/_fastcodec.pyx"
-SHA = hashlib.sha256(Path(__file__).with_name("protocol").joinpath("_fastcodec.pyx").read_bytes()).hexdigest()
+SHA = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
 
 setup(
     ext_modules=cythonize(

@@ -56,14 +56,11 @@ def _receiver(port: int, mode: str, count: int, out) -> None:
         out.put("ready")
         await sock.recv_multipart(copy=False)  # first message starts the clock
         t0, cpu0 = time.perf_counter(), time.process_time()
+        decode = {"fleetrl": transport.decode_frames, "python": decode_python}.get(mode)
         for _ in range(count - 1):
             frames = await sock.recv_multipart(copy=False)
-            if mode == "fleetrl":
-                msg = transport.decode_frames(frames[1:], MAX_FRAME)
-                assert msg.prompt_id == 1
-            elif mode == "python":
-                msg = decode_python(frames[1:], MAX_FRAME)
-                assert msg.prompt_id == 1
+            if decode is not None:
+                assert decode(frames[1:], MAX_FRAME).prompt_id == 1
         out.put(("recv", time.perf_counter() - t0, time.process_time() - cpu0))
         sock.close(linger=0)
         ctx.term()

@@ -274,9 +274,11 @@ def decode_python(frames: Sequence[Any], max_frame_bytes: int = 64 << 20) -> Mes
 
 def _plans() -> list[Any]:
     """The compiled fast paths' per-type plans: for the types whose arrays are all 1-D and whose lists hold str."""
+    assert tuple(RolloutGroup.ARRAYS) == ("prompt_tokens", "lengths", "completion_tokens", "behaviour_logprobs", "rewards"), \
+        "_fastcodec._rollout_ok reads RolloutGroup's arrays by position"
     plans = []
     for name, s in _SCHEMAS.items():
-        str_lists = [i for i, t in enumerate(s.types[: len(s.fields)]) if t is list]
+        str_lists = [i for i, _ in s.lists]  # the list fields
         if s.flat and all(s.hints[i] == list[str] for i in str_lists):
             plans.append(_fastcodec.Plan(s.cls, name, s.types, s.fields, s.arrays, s.dtypes_wire, s.dtypes, str_lists,
                                          s.cls is RolloutGroup))

@@ -38,6 +38,7 @@ def engine_env(cfg: Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.actor.threads))
     # Not a default the environment may override: actor.worker_in_engine decides (protocol/config.py).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.actor.worker_in_engine else "1"
+    os.environ["FLEETRL_CPU_GEMM"] = cfg.actor.cpu_gemm  # read by actors/worker_ext.py in the worker
 
 
 class Engine:
@@ -57,8 +58,10 @@ class Engine:
             enable_prefix_caching=False,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="actors.worker_ext.FleetWeightReceiver",
+            disable_log_stats=True,  # its Prometheus counters cost the actor 7% of its time (py-spy); FleetRL logs its own
         )
         self.llm = AsyncLLM.from_engine_args(args)
+        self.tokenizer = self.llm.get_tokenizer()
 
     async def generate_group(self, prompt_tokens: np.ndarray, n: int, seed: int | None = None,
                              temperature: float | None = None) -> list[Completion]:
@@ -68,11 +71,14 @@ class Engine:
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.logprobs import FlatLogprobs
         from vllm.sampling_params import RequestOutputKind
 
+        # detokenize=False: vLLM would decode every token twice as it goes (the text, and each logprob's token);
+        # the reward needs the text once, decoded here. flat_logprobs: one list of floats, not a dict per token.
         params = SamplingParams(
             n=n, temperature=self.cfg.rollout.temperature if temperature is None else temperature, max_tokens=self.cfg.rollout.max_tokens, logprobs=0,
-            seed=seed, output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=True,
+            seed=seed, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False, flat_logprobs=True,
         )
         final = None
         prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_tokens])
@@ -81,12 +87,13 @@ class Engine:
         assert final is not None and len(final.outputs) == n, "engine returned no or partial output"
         completions = []
         for c in final.outputs:
-            ids = list(c.token_ids)
-            assert c.logprobs is not None, "requested logprobs=0 but the engine returned none"
-            lps = [c.logprobs[j][t].logprob for j, t in enumerate(ids)]
+            ids, lps = list(c.token_ids), c.logprobs
+            assert isinstance(lps, FlatLogprobs), f"asked for flat logprobs, the engine returned {type(lps).__name__}"
+            # logprobs=0: one entry per position, the sampled token's, under the distribution sampled from.
+            assert lps.token_ids == ids and len(lps.logprobs) == len(ids), "engine logprobs do not line up with the sampled tokens"
             completions.append(Completion(
-                token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps, dtype=np.float32),
-                finish_reason=c.finish_reason or "length", text=c.text))
+                token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps.logprobs, dtype=np.float32),
+                finish_reason=c.finish_reason or "length", text=self.tokenizer.decode(ids, skip_special_tokens=True)))
         return completions
 
     async def warm_up(self) -> None:
@@ -106,7 +113,9 @@ class Engine:
         fields = {f.name: getattr(sync, f.name) for f in dataclasses.fields(sync)}
         fields["leave_group"] = leave_group
         t0 = time.perf_counter()
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        # AsyncLLM.pause_generation is this call plus a 20 ms sleep "not required for correctness" (vLLM's
+        # words: it lets outputs already produced reach their callers first). It is a stall on every sync.
+        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         torn = False
         try:
             (result,) = await self.llm.collective_rpc("fleetrl_receive", args=(fields,), timeout=sync.timeout_s + 30)

@@ -5,13 +5,18 @@ Runs inside the engine's worker process, reached with `collective_rpc`.
 CPU pitfall this module exists to avoid: at load time the CPU build replaces each
 linear layer's weight by a prepacked copy (oneDNN or sgl-kernel GEMM) and empties
 the parameter. `load_weights` afterwards writes into the emptied parameter and the
-layers keep computing with the OLD packed weights, silently. So we (1) keep the
-plain parameter as the source of truth (`remove_weight=False`) and (2) rebuild
-each layer's packed copy after every load. The logprob-match test proves it.
+layers keep computing with the OLD packed weights, silently. So the packing step is
+replaced here, as `actor.cpu_gemm` (FLEETRL_CPU_GEMM, set by actors/engine.py) says:
+- "torch": no packed copy; the layer runs torch.nn.functional.linear on its parameter,
+  which `load_weights` writes. Nothing to rebuild after a sync.
+- "vllm": vLLM's packed copy, but the plain parameter is kept as the source of truth
+  (`remove_weight=False`) and each layer's copy is rebuilt after every load.
+The logprob-match test (tests/test_weight_sync.py) proves both.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,12 +32,21 @@ try:  # only the CPU build packs weights; on CUDA this patch is never reached.
     _pack_linear = _vllm_layer_utils.dispatch_cpu_unquantized_gemm
     _vllm_pack = _pack_linear
 
-    def _pack_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+    def _dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = layer.weight
+        assert isinstance(weight, torch.Tensor)
+        if _plain_linear() and weight.ndim == 2:  # other shapes (MoE experts, conv) are vLLM's own kernels
+            layer.cpu_linear = torch.nn.functional.linear  # type: ignore[assignment]  # what vLLM's layers call
+            return
         _vllm_pack(layer, remove_weight=False)
 
-    _vllm_layer_utils.dispatch_cpu_unquantized_gemm = _pack_keeping_weight
+    _vllm_layer_utils.dispatch_cpu_unquantized_gemm = _dispatch_keeping_weight
 except (ImportError, AttributeError):  # a vLLM without CPU GEMM dispatch: nothing to patch
     _pack_linear = None
+
+
+def _plain_linear() -> bool:
+    return os.environ.get("FLEETRL_CPU_GEMM", "torch") == "torch"
 
 
 class FleetWeightReceiver:
@@ -60,15 +74,21 @@ class FleetWeightReceiver:
             result["repack_s"] = time.perf_counter() - t0
         return result
 
+    def fleetrl_gemm(self) -> dict[str, int]:
+        """How the model's CPU linear layers compute: {"plain": n, "packed": n} (layers that run vLLM's packing)."""
+        layers = [m for m in self.model_runner.get_model().modules() if hasattr(m, "cpu_linear")]
+        plain = sum(m.cpu_linear is torch.nn.functional.linear for m in layers)
+        return {"plain": plain, "packed": len(layers) - plain}
+
     @staticmethod
     def _fleetrl_repack(model: torch.nn.Module) -> int:
-        """Rebuild the CPU GEMM packed copy of every linear layer from its (kept) weight."""
+        """Rebuild the CPU GEMM packed copy of every packed linear layer from its (kept) weight."""
         pack = _pack_linear
-        if pack is None or not any(hasattr(m, "cpu_linear") for m in model.modules()):
+        if pack is None:
             return 0
         count = 0
         for module in model.modules():
-            if hasattr(module, "cpu_linear") and getattr(module, "weight", None) is not None:
+            if getattr(module, "cpu_linear", torch.nn.functional.linear) is not torch.nn.functional.linear:
                 weight = module.weight
                 assert isinstance(weight, torch.Tensor) and weight.numel() > 0, f"{type(module).__name__}: weight was removed by packing"
                 pack(module, remove_weight=False)

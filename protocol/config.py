@@ -168,6 +168,12 @@ class ActorConfig:
     # actors pinned to one core bench.async_vs_sync gained 1.05-1.3x samples/s.
     # Needs cpu_bind = "nobind": vLLM binds OMP threads only in a worker process of its own.
     worker_in_engine: bool = True
+    # How the CPU build runs linear layers (no effect on GPUs):
+    # - "torch": torch.nn.functional.linear on the parameter itself. A weight sync writes straight into what
+    #   the layer computes with; nothing to rebuild. For the demo's tiny fp32 model it generated 1.2x faster.
+    # - "vllm": vLLM's own choice, a prepacked oneDNN or sgl-kernel copy of each weight (faster for large bf16
+    #   models, by vLLM's measurements), rebuilt after every sync (actors/worker_ext.py).
+    cpu_gemm: str = "torch"
     max_groups: int = 8  # prompts an actor holds at once (asks for more below this)
     cpu_affinity: str = ""  # CPU ids the actor and its engine processes may run on, e.g. "1" ("" = all)
 
@@ -318,6 +324,7 @@ def _check(cfg: Config) -> None:
     need(cfg.actor.max_groups >= 1, "actor.max_groups", "must be >= 1")
     need(not cfg.actor.worker_in_engine or cfg.actor.cpu_bind == "nobind", "actor.worker_in_engine",
          f"must be false when actor.cpu_bind = {cfg.actor.cpu_bind!r}: vLLM binds OMP threads only in a worker process of its own")
+    need(cfg.actor.cpu_gemm in ("torch", "vllm"), "actor.cpu_gemm", f"{cfg.actor.cpu_gemm!r} must be torch or vllm")
     need(cfg.demo.num_actors >= 1, "demo.num_actors", "must be >= 1")
     need(cfg.demo.warmstart_steps >= 0, "demo.warmstart_steps", "must be >= 0")
     need(0 <= cfg.demo.warmstart_smoothing < 1, "demo.warmstart_smoothing", "must be in [0, 1)")

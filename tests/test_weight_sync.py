@@ -4,6 +4,7 @@ A real vLLM AsyncLLM (CPU build) serves a tiny model; the learner side perturbs 
 own copy, and WeightSender broadcasts it over a real gloo weight group into the
 engine's worker. The vLLM CPU build silently keeps stale packed linear weights after
 a naive update (24 nats of error were measured), so this is the test that matters.
+It runs once per `actor.cpu_gemm`: plain torch linear layers, and vLLM's packed ones.
 """
 
 import asyncio
@@ -53,15 +54,16 @@ def max_mismatch(engine, model, prompt, temperature):
     return max(float(np.abs(learner_logprobs(model, prompt, c.token_ids, temperature) - c.logprobs).max()) for c in completions)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=["torch", "vllm"])
+def setup(tmp_path_factory, request):
     from transformers import AutoModelForCausalLM
 
     from actors.engine import Engine
     from deploy.tiny import write_tiny_model
 
     path = write_tiny_model(tmp_path_factory.mktemp("model"), seed=3)
-    cfg = load_config(None, [f"model.path={path}", "rollout.temperature=0.7", "rollout.max_tokens=12", "actor.max_model_len=32", "weights.bucket_mb=1"])
+    cfg = load_config(None, [f"model.path={path}", "rollout.temperature=0.7", "rollout.max_tokens=12", "actor.max_model_len=32", "weights.bucket_mb=1",
+                                f"actor.cpu_gemm={request.param}"])
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     engine = loop.run_until_complete(_make_engine(Engine, cfg))
@@ -94,6 +96,11 @@ def _sync(cfg, engine, sender, hub, version, loop, snapshot=None):
 def test_logprobs_match_after_sync(setup):
     cfg, engine, model, loop = setup
     prompt = np.array([5, 6, 17, 7, 15], dtype=np.int32)
+    (gemm,) = loop.run_until_complete(engine.llm.collective_rpc("fleetrl_gemm"))
+    if cfg.actor.cpu_gemm == "torch":
+        assert gemm["plain"] > 0 and gemm["packed"] == 0, gemm
+    else:
+        assert gemm["packed"] > 0, gemm  # vLLM's packed copies: the path that goes stale without a repack
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4  # same weights from disk
 
     torch.manual_seed(0)
@@ -107,7 +114,7 @@ def test_logprobs_match_after_sync(setup):
     assert len(sender.buckets) > 1  # weights.bucket_mb=1: this model spans several buckets
     hub = DirectHub(["engine"])
     msg, info = _sync(cfg, engine, sender, hub, 1, loop)
-    assert msg.group_epoch == 1 and info["repacked"] > 0
+    assert msg.group_epoch == 1 and info["repacked"] == gemm["packed"]
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4
 
     # A second sync into a new group epoch (membership changed) must work the same way.
@@ -143,3 +150,26 @@ def test_logprobs_match_after_sync(setup):
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) > 0.01, "the step must be visible before the sync"
     _sync(cfg, engine, sender, hub, 3, loop)
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4
+
+
+def test_completion_text_is_what_vllm_would_detokenize(setup):
+    """generate_group asks vLLM for no text (detokenize=False) and decodes once itself: the reward sees the same text."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    cfg, engine, _, loop = setup
+    prompt = np.array([5, 6, 17, 7, 15], dtype=np.int32)
+
+    async def vllm_texts():
+        params = SamplingParams(n=6, temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens, seed=11,
+                                output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=True)
+        async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt.tolist()), params, request_id="detok-check"):
+            final = out
+        return [(list(c.token_ids), c.text) for c in final.outputs]
+
+    ours = loop.run_until_complete(engine.generate_group(prompt, 6, seed=11))
+    theirs = loop.run_until_complete(vllm_texts())
+    assert [c.token_ids.tolist() for c in ours] == [ids for ids, _ in theirs]  # same seed, same samples
+    assert [c.text for c in ours] == [text for _, text in theirs]
+    assert any(c.text for c in ours) and all(len(c.logprobs) == len(c.token_ids) for c in ours)

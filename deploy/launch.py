@@ -2,7 +2,9 @@
 
 Each child runs in its own process group (an actor owns vLLM's engine-core and
 worker processes), so stopping a child stops everything it started. If any child
-fails, all are stopped and the launcher exits non-zero; Ctrl-C stops all cleanly.
+fails, all are stopped and the launcher exits non-zero. Ctrl-C, SIGTERM (`kill`, a job
+scheduler, `timeout`) and SIGHUP (the terminal closed) stop all cleanly too: the children
+live in sessions of their own, so no signal to the launcher reaches them by itself.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from protocol.config import Config, dump_toml
@@ -104,6 +107,38 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGHUP reached the launcher."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
+def supervise(sup: Supervisor, start: Callable[[], None], main: str) -> int:
+    """Run `start` (it starts the processes), then `sup.wait(main)`. Ctrl-C, SIGTERM or SIGHUP stops every
+    process started so far and returns 128 + the signal number, as a shell reports a death by that signal."""
+    stops = (signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, _raise_stopped) for s in stops}
+    try:
+        start()
+        return sup.wait(main)
+    except (KeyboardInterrupt, Stopped) as e:
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        for s in stops:
+            signal.signal(s, signal.SIG_IGN)  # a second SIGTERM must not cut the stop short (it ends in SIGKILL anyway)
+        sup.log.warning("launch.interrupted", signal=signal.Signals(signum).name)
+        sup.stop_all()
+        return 128 + signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run_demo(cfg: Config) -> int:
     run_dir = Path(cfg.run.dir).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -114,16 +149,16 @@ def run_demo(cfg: Config) -> int:
     config_file.write_text(dump_toml(cfg))
     cli = [sys.executable, "-m", "deploy.cli"]
     sup = Supervisor()
-    try:
+
+    def start() -> None:
         sup.start("learner", [*cli, "learner", "--config", str(config_file)])
         for i in range(cfg.demo.num_actors):
             sup.start(f"actor{i}", [*cli, "actor", "--learner", connect_address(cfg.hub.bind), "--config", str(config_file), "--id", f"actor{i}"],
                       env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")})
-        code = sup.wait("learner")
-    except KeyboardInterrupt:
-        sup.log.warning("launch.interrupted")
-        sup.stop_all()
-        return 130
+
+    code = supervise(sup, start, "learner")
+    if code >= 128:  # stopped by a signal: the run is cut short, no summary
+        return code
     summarize(run_dir)
     return code
 

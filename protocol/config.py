@@ -48,7 +48,7 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
-    samples_per_prompt: int = 8  # completions per prompt (the GRPO group size)
+    samples_per_prompt: int = 16  # completions per prompt (the GRPO group size; 16 as in DAPO)
     max_tokens: int = 4  # generation length limit per completion
     temperature: float = 1.0  # sampling temperature; behaviour logprobs are taken after it
     reward_fn: str = "actors.rewards:exact_match"  # import path `package.module:function`

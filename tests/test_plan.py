@@ -20,8 +20,8 @@ def plan_of(name: str, *overrides: str):
 
 
 def default(*overrides: str):
-    """The built-in config with micro-batches of 8 samples, so that 128-sample batches split over many ranks."""
-    return load_config(None, ["train.micro_batch_samples=8", *overrides])
+    """The built-in config with 8 samples per prompt (128-sample batches) in micro-batches of 8, so that they split over many ranks."""
+    return load_config(None, ["rollout.samples_per_prompt=8", "train.micro_batch_samples=8", *overrides])
 
 
 def test_recipes_are_globbed():
@@ -259,4 +259,4 @@ def test_cli_plan(capsys):
     assert re.search(r"data parallel\s+8\s+8 ranks / SP 1 \(recipe: 32\)", capsys.readouterr().out)
     assert main(["plan", str(CONFIGS / "demo.toml"), "train.mini_batches=3"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("fleetrl: config error: train.mini_batches: 16 prompts x 8 samples = 128")
+    assert err.startswith("fleetrl: config error: train.mini_batches: 16 prompts x 16 samples = 256")

@@ -19,51 +19,60 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # A child that exits a little after SIGTERM, as the learner and actors do, and leaves a grandchild in its group.
 CHILD = ("import signal, subprocess, sys, time; "
-         "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print('grandchild', g.pid, flush=True); "
+         "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
          "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.2), sys.exit(0))); time.sleep(600)")
 
 DRIVER = f"""
-import subprocess, sys
+import pathlib, subprocess, sys
 from deploy.launch import Supervisor, supervise
 sup = Supervisor()
 def start():
     for name in ("learner", "actor0"):
         sup.start(name, [sys.executable, "-c", {CHILD!r}])
-    print("children", *(p.pid for p in sup.procs.values()), flush=True)
+    pathlib.Path(sys.argv[1]).write_text(" ".join(str(p.pid) for p in sup.procs.values()))
 sys.exit(supervise(sup, start, "learner"))
 """
 
 
 def alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie nobody reaped yet counts as gone
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie nobody reaped yet counts as gone
-        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def wait_for(what, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := what()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
-def test_a_signal_to_the_launcher_stops_all_it_started(sig):
-    launcher = subprocess.Popen([sys.executable, "-c", DRIVER], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+def test_a_signal_to_the_launcher_stops_all_it_started(sig, tmp_path):
+    pids = tmp_path / "children"
+    launcher = subprocess.Popen([sys.executable, "-c", DRIVER, str(pids)], cwd=ROOT, stdout=subprocess.DEVNULL)
     children: list[int] = []
     grandchildren: list[int] = []
     try:
-        while len(children) < 2 or len(grandchildren) < 2:  # on the launcher's stdout, between its log lines
-            words = launcher.stdout.readline().split()
-            assert words, "the launcher ended before its children started"
-            if words[0] == "children":
-                children = [int(w) for w in words[1:]]
-            elif words[0] == "grandchild":
-                grandchildren.append(int(words[1]))
+        assert wait_for(lambda: pids.exists() and pids.read_text()), "the launcher did not start its children"
+        children = [int(p) for p in pids.read_text().split()]
+        grandchildren = wait_for(lambda: g if len(g := [c for p in children for c in children_of(p)]) == 2 else [])
+        assert len(children) == 2 and len(grandchildren) == 2, (children, grandchildren)
         assert all(alive(p) for p in children + grandchildren)
-        time.sleep(0.3)
         launcher.send_signal(sig)
         assert launcher.wait(timeout=30) == 128 + sig
-        deadline = time.monotonic() + 5
-        while any(alive(p) for p in children + grandchildren) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in children + grandchildren if alive(p)], "processes left running after the launcher stopped"
+        assert wait_for(lambda: not any(alive(p) for p in children + grandchildren), 5.0), \
+            f"left running after the launcher stopped: {[p for p in children + grandchildren if alive(p)]}"
     finally:
         launcher.kill()
         launcher.wait()

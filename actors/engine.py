@@ -61,7 +61,9 @@ class Engine:
             disable_log_stats=True,  # its Prometheus counters cost the actor 7% of its time (py-spy); FleetRL logs its own
         )
         self.llm = AsyncLLM.from_engine_args(args)
-        self.tokenizer = self.llm.get_tokenizer()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)  # the one vLLM loads (same folder), unpooled
 
     async def generate_group(self, prompt_tokens: np.ndarray, n: int, seed: int | None = None,
                              temperature: float | None = None) -> list[Completion]:
@@ -88,12 +90,20 @@ class Engine:
         completions = []
         for c in final.outputs:
             ids, lps = list(c.token_ids), c.logprobs
-            assert isinstance(lps, FlatLogprobs), f"asked for flat logprobs, the engine returned {type(lps).__name__}"
-            # logprobs=0: one entry per position, the sampled token's, under the distribution sampled from.
-            assert lps.token_ids == ids and len(lps.logprobs) == len(ids), "engine logprobs do not line up with the sampled tokens"
+            if not isinstance(lps, FlatLogprobs):
+                raise RuntimeError(f"asked for flat logprobs, the engine returned {type(lps).__name__}")
+            # Each position starts with the sampled token's entry (more follow if another request in the batch
+            # asked for top-k logprobs): its logprob under the distribution sampled from.
+            first = lps.start_indices
+            if len(first) != len(ids) or [lps.token_ids[i] for i in first] != ids:
+                raise RuntimeError(f"engine logprobs do not line up with the {len(ids)} sampled tokens")
+            # The text vLLM would have made: without the token that stopped it (EOS, or one of stop_token_ids).
+            stopped_by_token = c.finish_reason == "stop" and (c.stop_reason is None or isinstance(c.stop_reason, int))
+            kept = ids[:-1] if stopped_by_token and ids else ids
+            text = str(self.tokenizer.decode(kept, skip_special_tokens=True, clean_up_tokenization_spaces=False))
             completions.append(Completion(
-                token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps.logprobs, dtype=np.float32),
-                finish_reason=c.finish_reason or "length", text=self.tokenizer.decode(ids, skip_special_tokens=True)))
+                token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray([lps.logprobs[i] for i in first], dtype=np.float32),
+                finish_reason=c.finish_reason or "length", text=text))
         return completions
 
     async def warm_up(self) -> None:

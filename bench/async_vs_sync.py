@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="k = 0 / k = 1 pairs, run alternately; the ratio reported is their median")
     ap.add_argument("--shared", action="store_true", help="do not pin learner and actors to separate CPUs")
     args, extra = ap.parse_known_args()
+    if args.repeats < 1 or not 1 <= args.skip < args.steps:
+        ap.error(f"need --repeats >= 1 and 1 <= --skip < --steps (got {args.repeats}, {args.skip}, {args.steps})")
     if not args.shared:
         extra = ["train.cpu_affinity=0", "actor.cpu_affinity=1", *extra]
     pairs = []

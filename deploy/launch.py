@@ -108,32 +108,37 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 
 
 class Stopped(Exception):
-    """SIGTERM or SIGHUP reached the launcher."""
+    """Ctrl-C, SIGTERM or SIGHUP reached the launcher."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _raise_stopped(signum: int, frame: object) -> None:
+    for s in STOPS:  # the stop that follows must not be cut short by a second signal (it ends in SIGKILL anyway)
+        signal.signal(s, signal.SIG_IGN)
     raise Stopped(signum)
 
 
 def supervise(sup: Supervisor, start: Callable[[], None], main: str) -> int:
     """Run `start` (it starts the processes), then `sup.wait(main)`. Ctrl-C, SIGTERM or SIGHUP stops every
-    process started so far and returns 128 + the signal number, as a shell reports a death by that signal."""
-    stops = (signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, _raise_stopped) for s in stops}
+    process started so far and returns 128 + the signal number, as a shell reports a death by that signal.
+    A signal the launcher was started ignoring (`nohup` ignores SIGHUP) stays ignored."""
+    previous = {s: signal.getsignal(s) for s in STOPS}
+    for s, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, _raise_stopped)
     try:
         start()
         return sup.wait(main)
-    except (KeyboardInterrupt, Stopped) as e:
-        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
-        for s in stops:
-            signal.signal(s, signal.SIG_IGN)  # a second SIGTERM must not cut the stop short (it ends in SIGKILL anyway)
-        sup.log.warning("launch.interrupted", signal=signal.Signals(signum).name)
+    except Stopped as e:
+        sup.log.warning("launch.interrupted", signal=signal.Signals(e.signum).name)
         sup.stop_all()
-        return 128 + signum
+        return 128 + e.signum
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

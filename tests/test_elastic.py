@@ -66,7 +66,7 @@ def test_actor_attached_mid_run_serves_current_weights(tmp_path, tiny_model_dir)
 
 
 def test_actors_killed_mid_generation_and_mid_sync(tmp_path, tiny_model_dir):
-    steps, prompts = 60, 8
+    steps, prompts = 200, 8  # long enough that the learner cannot finish before both kills (60 steps took 5.7 s)
     rng = random.Random()
     fleet = Fleet(tmp_path / "run", tiny_model_dir, [*TINY, f"train.prompts_per_step={prompts}", f"train.total_steps={steps}",
                                                        "staleness.max_staleness=1", "staleness.lease_s=600"])

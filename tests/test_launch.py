@@ -22,14 +22,22 @@ CHILD = ("import signal, subprocess, sys, time; "
          "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
          "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.2), sys.exit(0))); time.sleep(600)")
 
+# Default dispositions first: a test run started in the background inherits SIGINT ignored, and under
+# nohup SIGHUP, and the launcher leaves an ignored signal ignored (test_nohup_keeps_sighup_ignored).
 DRIVER = f"""
-import pathlib, subprocess, sys
+import pathlib, signal, subprocess, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+if len(sys.argv) > 2:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it
 from deploy.launch import Supervisor, supervise
 sup = Supervisor()
 def start():
     for name in ("learner", "actor0"):
         sup.start(name, [sys.executable, "-c", {CHILD!r}])
-    pathlib.Path(sys.argv[1]).write_text(" ".join(str(p.pid) for p in sup.procs.values()))
+    tmp = pathlib.Path(sys.argv[1] + ".tmp")
+    tmp.write_text(" ".join(str(p.pid) for p in sup.procs.values()))
+    tmp.rename(sys.argv[1])
 sys.exit(supervise(sup, start, "learner"))
 """
 
@@ -57,10 +65,14 @@ def wait_for(what, timeout_s: float = 30.0):
     return value
 
 
+def start_launcher(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    pids = tmp_path / "children"
+    return subprocess.Popen([sys.executable, "-c", DRIVER, str(pids), *extra], cwd=ROOT, stdout=subprocess.DEVNULL), pids
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_to_the_launcher_stops_all_it_started(sig, tmp_path):
-    pids = tmp_path / "children"
-    launcher = subprocess.Popen([sys.executable, "-c", DRIVER, str(pids)], cwd=ROOT, stdout=subprocess.DEVNULL)
+    launcher, pids = start_launcher(tmp_path)
     children: list[int] = []
     grandchildren: list[int] = []
     try:
@@ -79,3 +91,23 @@ def test_a_signal_to_the_launcher_stops_all_it_started(sig, tmp_path):
         for pid in children + grandchildren:  # a failed run must not leave them behind
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_nohup_keeps_sighup_ignored(tmp_path):
+    """Under nohup, closing the terminal must not stop the run: SIGHUP stays ignored; SIGTERM still stops it."""
+    launcher, pids = start_launcher(tmp_path, "nohup")
+    children: list[int] = []
+    try:
+        assert wait_for(lambda: pids.exists()), "the launcher did not start its children"
+        children = [int(p) for p in pids.read_text().split()]
+        launcher.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert launcher.poll() is None and all(alive(p) for p in children)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in children:
+            if alive(pid):
+                os.killpg(pid, signal.SIGKILL)

@@ -49,6 +49,11 @@ def _plain_linear() -> bool:
     return os.environ.get("FLEETRL_CPU_GEMM", "torch") == "torch"
 
 
+def _packed(module: torch.nn.Module) -> bool:
+    """A CPU linear layer that computes with vLLM's packed copy (anything but plain F.linear on its parameter)."""
+    return getattr(module, "cpu_linear", torch.nn.functional.linear) is not torch.nn.functional.linear
+
+
 class FleetWeightReceiver:
     """Methods run in the vLLM worker; names carry a prefix so they cannot clash with the worker's."""
 
@@ -77,8 +82,8 @@ class FleetWeightReceiver:
     def fleetrl_gemm(self) -> dict[str, int]:
         """How the model's CPU linear layers compute: {"plain": n, "packed": n} (layers that run vLLM's packing)."""
         layers = [m for m in self.model_runner.get_model().modules() if hasattr(m, "cpu_linear")]
-        plain = sum(m.cpu_linear is torch.nn.functional.linear for m in layers)
-        return {"plain": plain, "packed": len(layers) - plain}
+        packed = sum(map(_packed, layers))
+        return {"plain": len(layers) - packed, "packed": packed}
 
     @staticmethod
     def _fleetrl_repack(model: torch.nn.Module) -> int:
@@ -88,7 +93,7 @@ class FleetWeightReceiver:
             return 0
         count = 0
         for module in model.modules():
-            if getattr(module, "cpu_linear", torch.nn.functional.linear) is not torch.nn.functional.linear:
+            if _packed(module):
                 weight = module.weight
                 assert isinstance(weight, torch.Tensor) and weight.numel() > 0, f"{type(module).__name__}: weight was removed by packing"
                 pack(module, remove_weight=False)

@@ -68,10 +68,10 @@ def main() -> None:
     pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
-            pair = {}
+            pair, root = {}, Path(tmp) / str(i)
+            root.mkdir()
             for k in (0, 1):
-                (Path(tmp) / str(i)).mkdir(exist_ok=True)
-                r = run(k, args.steps, extra, Path(tmp) / str(i))
+                r = run(k, args.steps, extra, root)
                 pair[k] = summarize(r["rows"], args.skip, r["total_s"])
             pairs.append(pair)
     print(f"\n{'pair':>5}{'max_staleness':>14}{'samples/s':>11}{'s/step':>9}{'wait s/step':>13}{'train s/step':>14}{'sync s/step':>13}"

@@ -12,6 +12,9 @@ Semantics (issue #3):
   Sequence-parallel size SP = train.sequence_parallel_size divides R; data-parallel size DP = R / SP.
 - Samples per mini-batch M = rollout batch / mini_batches; per DP rank M / DP; micro-batches per rank
   (gradient accumulation) A = (M / DP) / train.micro_batch_samples. Every division is exact and DP <= M.
+  With a token budget (train.max_tokens_per_micro_batch > 0) the micro-batches are cut by tokens at every
+  update (learner/micro_batches.py): A is then at most M / DP, and the budget x SP must hold the longest
+  sample (actor.max_model_len tokens).
 - Run length: train.total_steps rollout batches, or total_episodes / rollout batch when train.total_episodes > 0
   (whole). Over N training prompts: N / prompts_per_step steps per epoch, steps x prompts_per_step / N epochs,
   epochs x samples_per_prompt samples per prompt. N comes from the prompt set when it is at hand (addition: 100;
@@ -21,23 +24,30 @@ Semantics (issue #3):
   cluster.actor_gpus_per_node / tensor_parallel_size engines.
 - Generation: actor engines = actor_nodes x actor_gpus_per_node / tensor_parallel_size (whole).
 - Memory per learner GPU. Colocated (cluster.colocate): the policy, the critic (algo.advantage = gae) and the
-  reference (algo.kl_coef > 0) share the R learner GPUs, as in Open-Reasoner-Zero; otherwise each gets its own R
+  reference (algo.kl_coef > 0 or algo.keep_reference) share the R learner GPUs, as in Open-Reasoner-Zero; otherwise each gets its own R
   GPUs. Parameters and gradients take model.dtype's bytes. Adam keeps two fp32 moments, plus an fp32 master copy
   when training in bf16 (DeepSpeed's mixed precision: the ZeRO paper's 12 bytes per parameter). ZeRO partitions
   over all R learner ranks (sequence-parallel ranks included, as DeepSpeed's sequence-data-parallel group does):
   stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the parameters. The reference holds
-  parameters only. The critic is counted at the policy's size (its value head is negligible). Activations,
-  logits and communication buffers are not counted: they depend on the tokens per micro-batch.
+  parameters only. The critic is counted at the policy's size (its value head is negligible).
+- Activations per learner GPU: one micro-batch's training working set, estimated from the architecture and
+  the tokens a micro-batch puts on one GPU (the budget, or micro_batch_samples x actor.max_model_len / SP):
+  learner/memory.py says what is counted. The policy's and the critic's are never alive at once.
+  The run fits when model states + activations stay within FIT_SHARE of cluster.gpu_memory_gib: the rest is
+  for the CUDA context, NCCL's buffers and the allocator's fragmentation.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from learner.memory import Activations, activation_bytes, config_json, read_arch
 from protocol.config import Config, ConfigError
 
 GIB = float(1 << 30)
+FIT_SHARE = 0.9  # of a GPU's memory that model states and activations may take
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -89,8 +99,9 @@ class Plan:
     steps_per_batch: int  # S = mini_batches x ppo_epochs optimizer steps per rollout batch
     mini_batch: int  # M: samples per optimizer step
     samples_per_rank: int  # M / DP
-    micro_batch: int  # samples per forward/backward
-    accumulation: int  # A = (M / DP) / micro_batch
+    micro_batch: int  # samples per forward/backward (1 with a token budget)
+    accumulation: int  # A = (M / DP) / micro_batch (with a token budget, the most there can be)
+    token_budget: int  # train.max_tokens_per_micro_batch: tokens per micro-batch per GPU (0: counted in samples)
     recipe_accumulation: int  # A at the recipe's ranks
     max_staleness: int  # k
     min_staleness: int  # S - 1: the smallest k that fresh samples satisfy
@@ -111,11 +122,28 @@ class Plan:
     zero_stage: int
     memory: list[ModelMemory]  # one per model held by a learner GPU (empty when num_params is unknown)
     gpu_bytes: float | None  # per learner GPU: the sum when colocated, the largest model otherwise
+    checkpointing: bool  # train.gradient_checkpointing
+    activations: Activations | None  # one micro-batch's working set per GPU (None: architecture unknown)
+    arch_source: str
+    gpu_memory: float  # bytes of one learner GPU (cluster.gpu_memory_gib)
+
+    @property
+    def peak_bytes(self) -> float | None:
+        """Model states + one micro-batch's activations on one learner GPU."""
+        if self.gpu_bytes is None or self.activations is None:
+            return None
+        return self.gpu_bytes + self.activations.total
+
+    @property
+    def fits(self) -> bool | None:
+        peak = self.peak_bytes
+        return None if peak is None else peak <= FIT_SHARE * self.gpu_memory
 
 
 def _split(mini: int, ranks: int, ranks_text: str, sp: int, micro: int, *, sp_field: str, ranks_field: str,
            micro_field: str) -> tuple[int, int]:
-    """(DP, accumulation) for `ranks` learner ranks; ConfigError naming the field, with the arithmetic."""
+    """(DP, accumulation) for `ranks` learner ranks; ConfigError naming the field, with the arithmetic.
+    `micro` 1 (a token budget): accumulation is the most micro-batches a rank can have, one per sample."""
     _need(ranks % sp == 0, sp_field, f"sequence_parallel_size {sp} does not divide {ranks_text}")
     dp = ranks // sp
     dp_text = f"{dp} data-parallel ranks ({ranks_text} / sequence_parallel_size {sp})"
@@ -161,21 +189,25 @@ def prompt_count(cfg: Config) -> tuple[int | None, str]:
 
 
 def count_params(path: str) -> int:
-    """Parameters of the Hugging Face model at `path`, built on the meta device: no weights read, no memory."""
+    """Parameters of the Hugging Face model at `path` (a folder or its config.json), built on the meta device: no
+    weights read, no memory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = json.loads(Path(path).read_text()) if path.endswith(".json") else None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(path))
     return sum(p.numel() for p in model.parameters())  # tied embeddings count once
 
 
 def param_count(cfg: Config) -> tuple[int | None, str]:
     if cfg.model.num_params > 0:
         return cfg.model.num_params, "model.num_params"
-    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
-        return count_params(cfg.model.path), f"{cfg.model.path}/config.json"
-    return None, "unknown: set model.num_params (no config.json at model.path here)"
+    path = config_json(cfg.model.path, cfg.model.arch)
+    if path is not None and path.is_file():
+        return count_params(str(path)), str(path)
+    return None, "unknown: set model.num_params or model.arch (no config.json at model.path here)"
 
 
 def model_memory(name: str, n: int, dtype: str, stage: int, shards: int, trained: bool) -> ModelMemory:
@@ -196,7 +228,12 @@ def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
     otherwise it is found as `prompt_count` says.
     """
     c, t, r = cfg.cluster, cfg.train, cfg.rollout
-    sp, micro = t.sequence_parallel_size, t.micro_batch_samples
+    sp, budget = t.sequence_parallel_size, t.max_tokens_per_micro_batch
+    micro = 1 if budget else t.micro_batch_samples
+    longest = cfg.actor.max_model_len
+    _need(not budget or budget * sp >= longest, "train.max_tokens_per_micro_batch",
+          f"{budget} x sequence_parallel_size {sp} < actor.max_model_len {longest}: the longest sample would not fit "
+          f"one micro-batch; set it to at least {-(-longest // sp)}")
     rollout = t.prompts_per_step * r.samples_per_prompt
     batch_text = f"{t.prompts_per_step} prompts x {r.samples_per_prompt} samples = {rollout} samples per rollout batch"
     _need(rollout % t.mini_batches == 0, "train.mini_batches", f"{batch_text} / {t.mini_batches} mini-batches is not whole")
@@ -251,6 +288,13 @@ def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
         model_memory(m, n_params, cfg.model.dtype, t.zero_stage, ranks, trained=m != "reference") for m in models]
     totals = [m.total for m in memory]
     gpu_bytes = (sum(totals) if c.colocate else max(totals)) if totals else None
+    arch_path = config_json(cfg.model.path, cfg.model.arch)
+    activations, arch_source = None, "unknown: set model.arch (no config.json at model.path here)"
+    if arch_path is not None and arch_path.is_file():
+        tokens = budget or -(-micro * longest // sp)  # sample-counted micro-batches: at their longest
+        activations = activation_bytes(read_arch(arch_path), tokens, DTYPE_BYTES[cfg.model.dtype], t.gradient_checkpointing,
+                                       t.logprob_chunk_tokens, t.zero_stage, n_params or 0)
+        arch_source = str(arch_path)
 
     return Plan(
         learner_nodes=c.learner_nodes, learner_gpus_per_node=c.learner_gpus_per_node, recipe_ranks=recipe_ranks,
@@ -262,14 +306,15 @@ def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
         prompts_per_step=t.prompts_per_step, samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
         rollout_batch=rollout,
         mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs, steps_per_batch=steps, mini_batch=mini,
-        samples_per_rank=mini // dp, micro_batch=micro, accumulation=acc, recipe_accumulation=recipe_acc,
+        samples_per_rank=mini // dp, micro_batch=micro, accumulation=acc, recipe_accumulation=recipe_acc, token_budget=budget,
         max_staleness=k, min_staleness=steps - 1,
         length_source=length_source, rollout_batches=updates, optimizer_steps=updates * steps,
         episodes=updates * rollout, num_prompts=n_prompts, prompts_source=prompts_source,
         steps_per_epoch=per_epoch, epochs=epochs,
         samples_per_prompt_run=epochs * r.samples_per_prompt if epochs is not None else None,
         num_params=n_params, params_source=params_source, dtype=cfg.model.dtype, zero_stage=t.zero_stage,
-        memory=memory, gpu_bytes=gpu_bytes,
+        memory=memory, gpu_bytes=gpu_bytes, checkpointing=t.gradient_checkpointing, activations=activations,
+        arch_source=arch_source, gpu_memory=c.gpu_memory_gib * GIB,
     )
 
 
@@ -318,8 +363,10 @@ def render(plan: Plan) -> str:
          f"S = {p.mini_batches} mini-batch(es) x {p.ppo_epochs} PPO epoch(s)"),
         ("mini-batch", f"{p.mini_batch:,}", f"samples per optimizer step = {p.rollout_batch:,} / {p.mini_batches}"),
         ("per data-parallel rank", f"{p.samples_per_rank:,}", f"samples = {p.mini_batch:,} / {p.data_parallel}"),
-        ("micro-batch", str(p.micro_batch), "samples per forward/backward"),
-        ("gradient accumulation", f"{p.accumulation:,}",
+        ("micro-batch", f"{p.token_budget:,} tokens" if p.token_budget else str(p.micro_batch),
+         "per GPU, packed greedily (train.max_tokens_per_micro_batch)" if p.token_budget else "samples per forward/backward"),
+        ("gradient accumulation", f"<= {p.accumulation:,}" if p.token_budget else f"{p.accumulation:,}",
+         "micro-batches, as many as the tokens need" if p.token_budget else
          f"= {p.samples_per_rank:,} / {p.micro_batch}" + recipe.format(p.recipe_accumulation)),
         ("max staleness", str(p.max_staleness), f"k >= S - 1 = {p.min_staleness}"),
     ]
@@ -337,11 +384,24 @@ def render(plan: Plan) -> str:
         ("epochs", *epochs),
         ("samples per prompt", *per_prompt),
     ]
-    title = (f"Memory per learner GPU ({p.dtype}, ZeRO-{p.zero_stage} over {p.learner_ranks} ranks; "
-             "activations not counted)")
+    title = f"Memory per learner GPU ({p.dtype}, ZeRO-{p.zero_stage} over {p.learner_ranks} ranks)"
     memory: Rows = [("parameters", f"{p.num_params:,}" if p.num_params else "unknown", p.params_source)]
     memory += [(m.name, _gib(m.total), f"= params {_gib(m.params)} + grads {_gib(m.grads)} + Adam {_gib(m.optimizer)}"
                 if m.optimizer else "= params only (frozen)") for m in p.memory]
     if p.gpu_bytes is not None:
-        memory.append(("per GPU", _gib(p.gpu_bytes), "sum of the colocated models" if p.colocate else "the largest model"))
+        memory.append(("model states", _gib(p.gpu_bytes), "sum of the colocated models" if p.colocate else "the largest model"))
+    a = p.activations
+    if a is None:
+        memory.append(("activations", "unknown", p.arch_source))
+    else:
+        how = "gradient checkpointing" if p.checkpointing else "no gradient checkpointing"
+        memory.append(("activations", _gib(a.total), f"= layers {_gib(a.layers)} + lm_head {_gib(a.head)}"
+                       + (f" + ZeRO-3 gathered {_gib(a.gathered)}" if a.gathered else "")
+                       + f" ({a.tokens:,} tokens per micro-batch, {how})"))
+    if p.peak_bytes is not None:
+        verdict = "fits" if p.fits else "DOES NOT FIT"
+        memory.append(("per GPU", _gib(p.peak_bytes), f"{verdict}: {FIT_SHARE:.0%} of {_gib(p.gpu_memory)} "
+                       f"(cluster.gpu_memory_gib) is {_gib(FIT_SHARE * p.gpu_memory)}"))
+    elif p.gpu_bytes is not None:
+        memory.append(("per GPU", _gib(p.gpu_bytes), "model states only (activations unknown)"))
     return _table([("Placement", placement), ("Batch arithmetic", batch), ("Run length", length), (title, memory)])

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from learner.batch import TokenBatch, token_logprobs
+from learner.batch import TokenBatch
+from learner.scoring import install_scoring_head, score_tokens
 
 
 class ReferencePolicy:
@@ -18,6 +19,7 @@ class ReferencePolicy:
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        self.head = install_scoring_head(self.model)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ReferencePolicy:
@@ -27,9 +29,7 @@ class ReferencePolicy:
         return cls(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype))
 
     @torch.no_grad()
-    def logprobs(self, mb: TokenBatch, temperature: float) -> torch.Tensor:
-        """Logprobs [T] of the micro-batch's completion tokens, after `temperature` like the policy's."""
+    def logprobs(self, mb: TokenBatch, temperature: float, chunk: int = 1024) -> torch.Tensor:
+        """Logprobs [T] of the micro-batch's completion tokens, after `temperature` like the policy's, on its device."""
         device = next(self.model.parameters()).device
-        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.model_kwargs().items()}
-        logits = self.model(**kwargs, use_cache=False).logits
-        return token_logprobs(logits, mb, temperature)
+        return score_tokens(self.model, self.head, mb, temperature, chunk, entropy=False, device=device)[0]

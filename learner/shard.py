@@ -1,14 +1,16 @@
 """Rank 0 hands each data-parallel rank its share of a rollout batch, as one flat byte buffer.
 
 A share is the rank's samples for every mini-batch of the update, in order (mini-batch 0's
-samples first), plus each mini-batch's token count over ALL ranks, which the token-level
-loss divides by. Advantages that need a whole group (GRPO) are computed on rank 0 before
+samples first, each mini-batch's micro-batches back to back), how many samples each
+micro-batch takes (learner/micro_batches.py decides), plus each mini-batch's token count
+over ALL ranks, which the token-level loss divides by. Advantages that need a whole group (GRPO) are computed on rank 0 before
 the split, so a group may span ranks.
 
 Layout of the buffer (little endian):
     int64 header [samples, mini_batches, total token ids, completion tokens, version, max_staleness, save_step]
                                                                                    (samples = -1: stop)
-    int64  mini_batch_tokens [mini_batches]
+    int64  mini_batch_tokens [mini_batches], micro_counts [mini_batches]
+    int32  micro_sizes [sum of micro_counts]: samples of each micro-batch, in order
     int32  lengths [samples], prompt_lens [samples], versions [samples, 2]
     float32 advantages [samples], rewards [samples]
     int32  tokens [total token ids]      float32 behaviour_logprobs [completion tokens]
@@ -19,7 +21,7 @@ buffers padded to the largest. Both work on gloo (CPU) and NCCL (CUDA tensors).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from learner.batch import Sample
 from learner.distributed import Topology
+from learner.micro_batches import cut_mini_batch
 
 HEADER_BYTES = 7 * 8
 
@@ -35,6 +38,7 @@ HEADER_BYTES = 7 * 8
 class Share:
     samples: list[Sample]
     mini_batch_tokens: list[int]  # completion tokens of each mini-batch summed over all DP ranks
+    micro_sizes: list[list[int]] = field(default_factory=list)  # per mini-batch: samples of each micro-batch, in order
     version: int = 0  # the policy version the update starts from
     max_staleness: int = 0  # the bound in force for this update (it can change during a run)
     stop: bool = False  # rank 0 is ending the run: no update follows
@@ -51,6 +55,8 @@ def encode_share(share: Share) -> np.ndarray:
         np.array([len(s), len(share.mini_batch_tokens), tokens.size, behaviour.size, share.version, share.max_staleness, share.save_step],
                  dtype=np.int64),
         np.asarray(share.mini_batch_tokens, dtype=np.int64),
+        np.array([len(m) for m in share.micro_sizes], dtype=np.int64),
+        np.array([n for m in share.micro_sizes for n in m], dtype=np.int32),
         np.array([len(x.tokens) for x in s], dtype=np.int32),
         np.array([x.prompt_len for x in s], dtype=np.int32),
         np.array([[x.version_min, x.version_max] for x in s], dtype=np.int32).reshape(-1),
@@ -77,6 +83,10 @@ def decode_share(buf: np.ndarray) -> Share:
         return out
 
     mb_tokens = take(np.int64, mbs)
+    micro_counts = take(np.int64, mbs).tolist()
+    flat_sizes = take(np.int32, sum(micro_counts)).tolist()
+    bounds = np.cumsum([0, *micro_counts]).tolist()
+    micro_sizes = [flat_sizes[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     lengths, prompt_lens = take(np.int32, n), take(np.int32, n)
     versions = take(np.int32, 2 * n).reshape(n, 2)
     advantages, rewards = take(np.float32, n), take(np.float32, n)
@@ -90,7 +100,8 @@ def decode_share(buf: np.ndarray) -> Share:
             advantage=float(advantages[i]), reward=float(rewards[i]),
             version_min=int(versions[i, 0]), version_max=int(versions[i, 1])))
         t, c = t + length, c + length - plen
-    return Share(samples=samples, mini_batch_tokens=[int(x) for x in mb_tokens], version=version, max_staleness=k, save_step=save_step)
+    return Share(samples=samples, mini_batch_tokens=[int(x) for x in mb_tokens], micro_sizes=micro_sizes, version=version,
+                 max_staleness=k, save_step=save_step)
 
 
 def scatter_shares(topo: Topology, shares: list[Share] | None) -> Share:
@@ -121,19 +132,27 @@ def scatter_shares(topo: Topology, shares: list[Share] | None) -> Share:
     return decode_share(out[: int(size.item())].cpu().numpy())
 
 
-def split_rollout_batch(samples: list[Sample], mini_batches: int, dp_size: int, seed: int, version: int, max_staleness: int) -> list[Share]:
-    """Shuffle (seeded) and cut into `mini_batches` x `dp_size` equal parts; rank d gets part (j, d) of each mini-batch j.
+def split_rollout_batch(samples: list[Sample], mini_batches: int, dp_size: int, seed: int, version: int, max_staleness: int,
+                        token_budget: int = 0, micro_samples: int = 0) -> list[Share]:
+    """Shuffle (seeded), cut into `mini_batches` equal mini-batches, deal each over `dp_size` ranks and cut
+    each rank's part into micro-batches (learner/micro_batches.py): of `micro_samples` samples when
+    `token_budget` is 0, else packed up to `token_budget` tokens, the same count on every rank.
 
     The batch arithmetic was checked at start (learner/plan.py), so every cut is whole.
     """
     order = np.random.default_rng(seed).permutation(len(samples)) if mini_batches > 1 else np.arange(len(samples))
     per_mb = len(samples) // mini_batches
-    per_rank = per_mb // dp_size
-    assert per_rank * dp_size * mini_batches == len(samples), f"{len(samples)} samples do not split into {mini_batches} x {dp_size}"
+    assert per_mb * mini_batches == len(samples) and per_mb % dp_size == 0, \
+        f"{len(samples)} samples do not split into {mini_batches} x {dp_size}"
+    micro = micro_samples or per_mb // dp_size
     shuffled = [samples[i] for i in order]
-    mb_tokens = [sum(len(s.tokens) - s.prompt_len for s in shuffled[j * per_mb : (j + 1) * per_mb]) for j in range(mini_batches)]
-    return [
-        Share(samples=[s for j in range(mini_batches) for s in shuffled[j * per_mb + d * per_rank : j * per_mb + (d + 1) * per_rank]],
-              mini_batch_tokens=mb_tokens, version=version, max_staleness=max_staleness)
-        for d in range(dp_size)
-    ]
+    shares = [Share(samples=[], mini_batch_tokens=[], version=version, max_staleness=max_staleness) for _ in range(dp_size)]
+    for j in range(mini_batches):
+        mini = shuffled[j * per_mb : (j + 1) * per_mb]
+        cuts = cut_mini_batch([len(s.tokens) for s in mini], dp_size, token_budget, micro)
+        tokens = sum(len(s.tokens) - s.prompt_len for s in mini)
+        for share, micro_batches in zip(shares, cuts, strict=True):
+            share.samples += [mini[i] for mb in micro_batches for i in mb]
+            share.mini_batch_tokens.append(tokens)
+            share.micro_sizes.append([len(mb) for mb in micro_batches])
+    return shares

@@ -9,6 +9,12 @@ The ratio is taken against the behaviour logprobs the actor sampled with. The lo
 token-level over the mini-batch's tokens on ALL ranks (`Share.mini_batch_tokens`);
 DeepSpeed averages gradients over the world, so each rank's loss is scaled by the world
 size to make the sum come out exactly as on one process.
+
+A mini-batch's micro-batches are cut by rank 0 (learner/micro_batches.py: a sample count or a
+token budget), so their number varies from update to update: the trainer tells DeepSpeed where
+each optimizer step falls (`set_gradient_accumulation_boundary`) instead of letting it count.
+Logprobs come from the lm_head a chunk of tokens at a time (learner/scoring.py), and the loss
+stays on the device; one all-reduce per update brings the metrics home.
 """
 
 from __future__ import annotations
@@ -23,14 +29,15 @@ import torch.distributed as dist
 
 from learner import staleness as st
 from learner.advantages import GroupAdvantage, make_advantage
-from learner.batch import TokenBatch, group_samples, token_logprobs
+from learner.batch import TokenBatch, group_samples
 from learner.distributed import Topology
 from learner.layout import attention_implementation, micro_batch_layout
-from learner.losses import make_policy_loss, token_entropy, value_loss
+from learner.losses import make_policy_loss, value_loss
 from learner.plan import Plan
+from learner.scoring import install_scoring_head, score_tokens
 from learner.sequence_parallel import SequenceShard
 from learner.shard import Share, split_rollout_batch
-from protocol.config import Config, ConfigError
+from protocol.config import Config, ConfigError, TrainConfig
 from protocol.messages import RolloutGroup
 
 
@@ -40,8 +47,8 @@ class StepLayout:
 
     mini_batches: int
     ppo_epochs: int
-    micro_samples: int  # samples per forward/backward
-    accumulation: int  # micro-batches per optimizer step on one rank
+    micro_samples: int  # samples per forward/backward (1 with a token budget: DeepSpeed's bookkeeping only)
+    accumulation: int  # micro-batches per optimizer step on one rank (with a token budget, the most there can be)
 
     @classmethod
     def of(cls, plan: Plan) -> StepLayout:
@@ -54,15 +61,22 @@ class StepLayout:
         return self.mini_batches * self.ppo_epochs
 
 
-def deepspeed_config(cfg: Config, layout: StepLayout, lr: float) -> dict:
+def token_budget(train: TrainConfig) -> int:
+    """Tokens of one micro-batch (0: counted in samples). An SP group splits each micro-batch's row over its ranks."""
+    return train.max_tokens_per_micro_batch * train.sequence_parallel_size
+
+
+def deepspeed_config(cfg: Config, layout: StepLayout, lr: float, cuda: bool) -> dict:
     return {
         "train_micro_batch_size_per_gpu": layout.micro_samples,
         "gradient_accumulation_steps": layout.accumulation,
         "gradient_clipping": cfg.train.grad_clip,
         "optimizer": {
             "type": "AdamW",
-            # torch_adam: DeepSpeed's fused CPU Adam needs a compiled op that the CPU build lacks.
-            "params": {"lr": lr, "weight_decay": cfg.train.weight_decay, "betas": [0.9, 0.999], "torch_adam": True},
+            # torch_adam: torch's own AdamW. DeepSpeed's fused Adam is a JIT-compiled op (no compiler on some GPU
+            # machines, none for the CPU build); torch's fused CUDA kernel does the same work in one launch.
+            "params": {"lr": lr, "weight_decay": cfg.train.weight_decay, "betas": [0.9, 0.999], "torch_adam": True,
+                       **({"fused": True} if cuda else {})},
         },
         "scheduler": {
             "type": "WarmupLR",
@@ -98,14 +112,15 @@ class UpdateStats:
 
 
 def make_shares(cfg: Config, groups: list[RolloutGroup], version: int, max_staleness: int, dp_size: int) -> tuple[list[Share], torch.Tensor]:
-    """Rank 0: group-level advantages, then the samples cut into one share per DP rank."""
+    """Rank 0: group-level advantages, then the samples cut into one share per DP rank, and into micro-batches."""
     rewards = torch.from_numpy(np.stack([g.rewards for g in groups]).astype(np.float32))
     unit = make_advantage(cfg.algo)
     # Group advantages need the whole group, so rank 0 computes them; GAE is per sample and runs on each rank.
     advantages = unit.per_sample(rewards) if isinstance(unit, GroupAdvantage) else torch.zeros_like(rewards)
     samples = [s for g, adv in zip(groups, advantages, strict=True) for s in group_samples(g, adv)]
     shares = split_rollout_batch(samples, cfg.train.mini_batches, dp_size, seed=cfg.run.seed * 1_000_003 + version,
-                                 version=version, max_staleness=max_staleness)
+                                 version=version, max_staleness=max_staleness, token_budget=token_budget(cfg.train),
+                                 micro_samples=cfg.train.micro_batch_samples)
     return shares, advantages
 
 
@@ -123,17 +138,23 @@ class Trainer:
         self.attention = attention_implementation(cfg.train)
         self.build = micro_batch_layout(cfg.train, topo.sp_group)
         model.set_attn_implementation(self.attention)  # type: ignore[operator]
+        self.head = install_scoring_head(model)
+        if cfg.train.gradient_checkpointing:
+            _checkpoint_layers(model)
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=deepspeed_config(cfg, layout, cfg.train.lr), mpu=topo.mpu)
+            config=deepspeed_config(cfg, layout, cfg.train.lr, topo.device.type == "cuda"), mpu=topo.mpu)
         self.critic = self.reference = None
         if self.advantage.needs_critic:
             from learner.critic import Critic
 
             critic = Critic.from_pretrained(cfg.algo.critic_path or cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
             critic.backbone.set_attn_implementation(self.attention)  # type: ignore[operator]
+            if cfg.train.gradient_checkpointing:
+                _checkpoint_layers(critic.backbone)
             self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
-                                                   config=deepspeed_config(cfg, layout, cfg.algo.critic_lr), mpu=topo.mpu)
+                                                   config=deepspeed_config(cfg, layout, cfg.algo.critic_lr, topo.device.type == "cuda"),
+                                                   mpu=topo.mpu)
         if self.policy_loss.needs_reference or cfg.algo.keep_reference:
             from learner.reference import ReferencePolicy
 
@@ -179,22 +200,26 @@ class Trainer:
         for s in share.samples:  # the hard invariant, checked once more where it matters
             assert st.admissible(version, s.version_min, max_staleness, steps), (
                 f"sample of version {s.version_min} in update {version} -> {version + steps} breaks max_staleness={max_staleness}")
-        per_mb, micro = len(share.samples) // self.layout.mini_batches, self.layout.micro_samples
+        chunks = _micro_chunks(share)
+        assert len(chunks) == self.layout.mini_batches, f"{len(chunks)} mini-batches in the share, {self.layout} expected"
         # Micro-batches are built once; mini-batch j holds micro[j], its token count is share.mini_batch_tokens[j].
-        micro_batches = [[self.build(share.samples[j * per_mb + i : j * per_mb + min(i + micro, per_mb)], version)
-                          for i in range(0, per_mb, micro)] for j in range(self.layout.mini_batches)]
-        assert all(len(m) == self.layout.accumulation for m in micro_batches), (f"micro-batches {[len(m) for m in micro_batches]} of {len(share.samples)} samples do not match DeepSpeed's accumulation {self.layout}")
+        micro_batches = [[self.build(c, version) for c in mini] for mini in chunks]
         extras = [[self._prepare(mb) for mb in mbs] for mbs in micro_batches]
         # What right-padded rows would have processed for the same micro-batches (counted once per SP group).
-        padded = sum(len(c) * max(len(x.tokens) for x in c) for c in _chunks(share.samples, per_mb, micro)) if self.topo.sp_rank == 0 else 0
+        padded = sum(len(c) * max(len(x.tokens) for x in c) for mini in chunks for c in mini) if self.topo.sp_rank == 0 else 0
         # The loss is a sum over ranks' tokens; DeepSpeed sums SP peers' gradients and averages the DP replicas.
         scale = float(self.topo.dp_size)
         self.engine.train()
         steps_before = self.engine.global_steps
-        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.topo.device)
         for epoch in range(self.layout.ppo_epochs):
             for j in range(self.layout.mini_batches):
-                for mb, extra in zip(micro_batches[j], extras[j], strict=True):
+                last = len(micro_batches[j]) - 1
+                for i, (mb, extra) in enumerate(zip(micro_batches[j], extras[j], strict=True)):
+                    # Every rank has as many micro-batches in mini-batch j (rank 0 cut them so): the boundaries agree.
+                    for engine in (self.engine, self.critic):
+                        if engine is not None:
+                            engine.set_gradient_accumulation_boundary(i == last)
                     sums += self._micro_step(mb, extra, share.mini_batch_tokens[j], scale, first_step=epoch == 0 and j == 0)
         assert self.engine.global_steps == steps_before + steps, "DeepSpeed did not take exactly S optimizer steps"
         sums[_SUMS.index("padded")] = padded * self.layout.ppo_epochs
@@ -218,16 +243,17 @@ class Trainer:
     def _prepare(self, mb: TokenBatch) -> dict[str, torch.Tensor]:
         """Before the first step: what must come from the weights as they were (prox, reference, old values, GAE)."""
         out: dict[str, torch.Tensor] = {}
+        dev = self.topo.device
         if self.policy_loss.needs_prox and self.layout.steps > 1:
             self.engine.eval()
-            out["prox"] = self._logprobs(mb).detach()
+            out["prox"] = self._score(mb, entropy=False)[0]
         if self.reference is not None:
-            out["ref"] = self.reference.logprobs(mb, self.cfg.rollout.temperature).cpu()
+            out["ref"] = self.reference.logprobs(mb, self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens)
         if self.critic is not None:
             self.critic.eval()
             values = self.critic(**self._kwargs(mb))
-            old = values[mb.score_rows.to(values.device), mb.score_cols.to(values.device)].float().cpu()
-            adv = self.advantage(mb.rewards, mb.lengths, old)  # type: ignore[attr-defined]  # padded and packed layouts have them
+            old = values[mb.score_rows.to(dev), mb.score_cols.to(dev)].float()
+            adv = self.advantage(mb.rewards.to(dev), mb.lengths.to(dev), old)  # type: ignore[attr-defined]  # padded and packed layouts have them
             assert adv.returns is not None
             out.update(old_values=old, advantages=adv.tokens.float(), returns=adv.returns.float())
         return out
@@ -235,50 +261,65 @@ class Trainer:
     def _kwargs(self, mb: TokenBatch) -> dict:
         return {k: v.to(self.topo.device) if isinstance(v, torch.Tensor) else v for k, v in mb.model_kwargs().items()}
 
-    def _logprobs(self, mb: TokenBatch) -> torch.Tensor:
-        logits = self.engine(**self._kwargs(mb), use_cache=False).logits
-        return token_logprobs(logits, mb, self.cfg.rollout.temperature).cpu()
+    def _score(self, mb: TokenBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's (logprobs, entropies) of the micro-batch's completion tokens, on the device."""
+        return score_tokens(self.engine, self.head, mb, self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens,
+                            entropy, self.topo.device)
 
     def _micro_step(self, mb: TokenBatch, extra: dict[str, torch.Tensor], total_tokens: int, scale: float, first_step: bool) -> torch.Tensor:
         self.engine.train()
-        # use_cache=False: with a KV cache transformers would not keep packed samples apart.
-        logits = self.engine(**self._kwargs(mb), use_cache=False).logits
-        dev = logits.device
-        picked = logits[mb.score_rows.to(dev), mb.score_cols.to(dev)].float() / self.cfg.rollout.temperature
-        logp = torch.log_softmax(picked, dim=-1).gather(1, mb.targets.to(dev)[:, None]).squeeze(1).cpu()
-        entropy = token_entropy(picked).cpu() if self.policy_loss.needs_entropy else None
+        dev = self.topo.device
+        logp, entropy = self._score(mb, entropy=self.policy_loss.needs_entropy)
+        behaviour = mb.behaviour_logp.to(dev)
         prox = extra.get("prox", logp.detach()) if self.policy_loss.needs_prox else None  # S = 1: the weights have not moved yet
-        adv = extra.get("advantages", mb.token_adv)
-        out = self.policy_loss(logp, mb.behaviour_logp, adv, total_tokens, prox_logp=prox, ref_logp=extra.get("ref"), entropy=entropy)
+        adv = extra.get("advantages", mb.token_adv).to(dev)
+        out = self.policy_loss(logp, behaviour, adv, total_tokens, prox_logp=prox, ref_logp=extra.get("ref"),
+                               entropy=entropy if self.policy_loss.needs_entropy else None)
         self.engine.backward(out.loss * scale, scale_wrt_gas=False)
         # DeepSpeed counts micro-steps: step() after every backward, the optimizer runs at the boundary.
         self.engine.step()
         n = len(logp)
-        row = dict.fromkeys(_SUMS, 0.0)
+        # Sums stay on the device (no sync per micro-batch); update() brings them home once.
+        row: dict[str, float | torch.Tensor] = dict.fromkeys(_SUMS, 0.0)
         ids = mb.model_kwargs()["input_ids"]
         # Packing efficiency: token positions with a sample in them / positions the model ran (SP chunks add up).
-        row.update(processed=ids.numel(), useful=float(_useful_tokens(mb)))
-        # An SP rank may score no token (clip_frac of nothing is nan); it still ran forward and backward for its peers.
-        row.update({"loss": out.loss.item(), "clipped": out.clip_frac.item() * n if n else 0.0, "tokens": n})
+        row.update(processed=ids.numel(), useful=float(_useful_tokens(mb)), tokens=n)
+        if n:  # an SP rank may score no token (clip_frac of nothing is nan); it still ran forward and backward for its peers
+            row.update(loss=out.loss.detach(), clipped=out.clip_frac * n)
         if first_step:
-            diff = (logp.detach() - mb.behaviour_logp).abs()[mb.on_policy]
-            row.update(mismatch=diff.sum().item(), on_policy=diff.numel())
+            on = mb.on_policy.to(dev)
+            row.update(mismatch=torch.where(on, (logp.detach() - behaviour).abs(), 0.0).sum(), on_policy=int(mb.on_policy.sum()))
         for key, value in (("loss/kl", out.kl_mean), ("loss/entropy", out.entropy_mean), ("loss/iw_mean", out.iw_mean)):
             if value is not None and n:
-                row[key] = value.item() * n
+                row[key] = value * n
         if self.critic is not None:
             self.critic.train()
             values = self.critic(**self._kwargs(mb))
-            v = value_loss(values[mb.score_rows.to(values.device), mb.score_cols.to(values.device)].float().cpu(), extra["old_values"], extra["returns"],
+            v = value_loss(values[mb.score_rows.to(dev), mb.score_cols.to(dev)].float(), extra["old_values"], extra["returns"],
                            self.cfg.algo.value_clip, total_tokens)
             self.critic.backward(v.loss * scale, scale_wrt_gas=False)
             self.critic.step()
-            row.update({"loss/value": v.loss.item(), "loss/value_clip_frac": v.clip_frac.item() * n})
-        return torch.tensor([row[k] for k in _SUMS], dtype=torch.float64)
+            row.update({"loss/value": v.loss.detach(), "loss/value_clip_frac": v.clip_frac * n})
+        return torch.stack([torch.as_tensor(row[k], dtype=torch.float64, device=dev) for k in _SUMS])
 
 
-def _chunks(samples: list, per_mb: int, micro: int) -> list[list]:
-    return [samples[j + i : j + min(i + micro, per_mb)] for j in range(0, len(samples), per_mb) for i in range(0, per_mb, micro)]
+def _checkpoint_layers(model: torch.nn.Module) -> None:
+    """Activation checkpointing of every decoder layer (transformers' own, non-reentrant: the packed/ring attention
+    kwargs reach the recomputed layers, and ZeRO-3 gathers the parameters again for the recompute)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+
+
+def _micro_chunks(share: Share) -> list[list[list]]:
+    """The share's samples as mini-batches of micro-batches, as `share.micro_sizes` cuts them."""
+    out, start = [], 0
+    for sizes in share.micro_sizes:
+        mini = []
+        for n in sizes:
+            mini.append(share.samples[start : start + n])
+            start += n
+        out.append(mini)
+    assert start == len(share.samples), f"micro_sizes cover {start} of the share's {len(share.samples)} samples"
+    return out
 
 
 def _useful_tokens(mb: TokenBatch) -> int:

@@ -31,7 +31,8 @@ class RunConfig:
 class ModelConfig:
     path: str = ""  # Hugging Face model folder (local); the demo builds one when empty
     dtype: str = "float32"  # float32 | bfloat16; the same on learner and engines so logprobs compare
-    num_params: int = 0  # parameter count for `fleetrl plan`'s memory estimate; 0 = count from model.path's config.json
+    num_params: int = 0  # parameter count for `fleetrl plan`'s memory estimate; 0 = count from the config.json
+    arch: str = ""  # a config.json of the model's architecture, for `fleetrl plan` when model.path is not here (configs/models/)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +68,13 @@ class TrainConfig:
     grad_clip: float = 1.0  # global gradient-norm clip
     zero_stage: int = 2  # DeepSpeed ZeRO stage (0, 1, 2 or 3)
     micro_batch_samples: int = 64  # samples per forward/backward per data-parallel rank (accumulation beyond)
+    # Token budget of one forward/backward per rank (0 = count micro-batches in samples, micro_batch_samples).
+    # > 0: each rank packs its samples greedily up to this many tokens (prompt + completion), as verl's
+    # ppo_max_token_len_per_gpu; micro_batch_samples is then ignored. With sequence parallelism one micro-batch
+    # holds up to budget x sequence_parallel_size tokens, split over the SP group.
+    max_tokens_per_micro_batch: int = 0
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward: long generations fit (8k-16k)
+    logprob_chunk_tokens: int = 1024  # tokens per chunk of the vocabulary projection: no [tokens, vocab] fp32 tensor
     packing: bool = True  # pack a micro-batch's samples into one row (no padding) instead of padding them
     sequence_parallel_size: int = 1  # learner ranks that share one packed sequence (ring attention)
     threads: int = 1  # torch intra-op threads in the learner process
@@ -103,6 +111,7 @@ class ClusterConfig:
     tensor_parallel_size: int = 1  # GPUs per vLLM engine (one actor process per engine)
     colocate: bool = True  # policy, critic and reference share the learner's GPUs
     debug_gpus: int = 0  # fit the recipe onto this many learner GPUs for a debug run (0 = off)
+    gpu_memory_gib: float = 80.0  # memory of one learner GPU, for `fleetrl plan`'s fits / does not fit
 
 
 @dataclass(kw_only=True, slots=True)
@@ -286,6 +295,8 @@ def _check(cfg: Config) -> None:
     need(cfg.train.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
     need(cfg.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3")
     need(cfg.train.micro_batch_samples >= 1, "train.micro_batch_samples", "must be >= 1")
+    need(cfg.train.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch", "must be >= 0 (0 = count in samples)")
+    need(cfg.train.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", "must be >= 1")
     need(cfg.train.sequence_parallel_size >= 1, "train.sequence_parallel_size", "must be >= 1")
     need(cfg.train.sequence_parallel_size == 1 or cfg.train.packing, "train.sequence_parallel_size",
          f"{cfg.train.sequence_parallel_size} needs train.packing = true (SP splits one packed row)")
@@ -304,6 +315,7 @@ def _check(cfg: Config) -> None:
     for name in ("learner_nodes", "learner_gpus_per_node", "actor_nodes", "actor_gpus_per_node", "tensor_parallel_size"):
         need(getattr(cfg.cluster, name) >= 1, f"cluster.{name}", "must be >= 1")
     need(cfg.cluster.debug_gpus >= 0, "cluster.debug_gpus", "must be >= 0 (0 = off)")
+    need(cfg.cluster.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be > 0")
     need(cfg.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 = never)")
     need(cfg.eval.samples >= 1, "eval.samples", "must be >= 1")
     need(cfg.eval.max_prompts >= 0, "eval.max_prompts", "must be >= 0 (0 = all)")

@@ -91,3 +91,29 @@ def test_packed_equals_padded_in_the_trainer(one_rank, tiny_model_dir, tmp_path)
     assert all(0.3 < e["packing_efficiency"] < 0.95 for e in padded["extras"]), padded["extras"]
     # The packed run reports what padding would have cost on the same micro-batches: the padded run's figure.
     assert [e["padded_efficiency"] for e in one_rank["extras"]] == pytest.approx([e["packing_efficiency"] for e in padded["extras"]])
+
+
+BUDGET = ("train.max_tokens_per_micro_batch=12", "actor.max_model_len=10", "train.logprob_chunk_tokens=3")
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_token_budget_two_ranks_match_one(one_rank, tiny_model_dir, tmp_path, stage):
+    """Micro-batches packed up to 12 tokens (samples of 5-8): each rank gets a different number of samples per
+    micro-batch, the ranks the same number of micro-batches, and the loss stays the mini-batch's token mean, so
+    the numbers are those of one rank with 4-sample micro-batches. Logprobs come 3 tokens at a time."""
+    two = run_ranks(str(tiny_model_dir), 2, tmp_path, f"train.zero_stage={stage}", *BUDGET)
+    sizes = [mini for update in two["micro_sizes"] for mini in update]
+    assert all(sum(mini) == 4 for mini in sizes)  # 16 samples / 2 mini-batches / 2 ranks
+    assert any(len(mini) > 1 for mini in sizes) and len({tuple(m) for m in sizes}) > 1, sizes  # real, varying cuts
+    assert two["losses"] == pytest.approx(one_rank["losses"], rel=1e-4, abs=1e-6)
+    assert two["grad_norms"] == pytest.approx(one_rank["grad_norms"], rel=1e-4)
+    assert two["weight_abs"] == pytest.approx(one_rank["weight_abs"], rel=1e-6)
+
+
+def test_gradient_checkpointing_trains_identically(one_rank, tiny_model_dir, tmp_path):
+    """Recomputing each decoder layer in backward changes memory, not numbers (packed attention kwargs reach the
+    recomputed layers); under ZeRO-3 with the token budget, on 2 ranks."""
+    ckpt = run_ranks(str(tiny_model_dir), 2, tmp_path, "train.zero_stage=3", "train.gradient_checkpointing=true", *BUDGET)
+    assert ckpt["losses"] == pytest.approx(one_rank["losses"], rel=1e-4, abs=1e-6)
+    assert ckpt["grad_norms"] == pytest.approx(one_rank["grad_norms"], rel=1e-4)
+    assert ckpt["weight_abs"] == pytest.approx(one_rank["weight_abs"], rel=1e-6)

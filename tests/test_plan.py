@@ -260,3 +260,45 @@ def test_cli_plan(capsys):
     assert main(["plan", str(CONFIGS / "demo.toml"), "train.mini_batches=3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fleetrl: config error: train.mini_batches: 16 prompts x 16 samples = 256")
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if p.stem != "demo"], ids=lambda p: p.stem)
+def test_gpu_recipes_checkpoint_budget_and_fit_80gb(path):
+    """Every GPU recipe trains with gradient checkpointing and a token budget that holds its longest sample, and
+    its model states plus one micro-batch's activations fit an 80 GB GPU (the ORZ recipes at 8k-16k tokens)."""
+    cfg = load_config(path)
+    assert cfg.train.gradient_checkpointing and cfg.train.max_tokens_per_micro_batch >= cfg.actor.max_model_len
+    p = make_plan(cfg)
+    assert p.activations is not None and p.activations.tokens == cfg.train.max_tokens_per_micro_batch
+    assert p.fits, render(p)
+    assert re.search(r"per GPU\s+\d+\.\d GiB\s+fits", render(p))
+
+
+def test_activations_follow_the_budget_and_checkpointing():
+    ckpt = plan_of("orz_0p5b_ppo.toml")
+    full = plan_of("orz_0p5b_ppo.toml", "train.gradient_checkpointing=false")
+    double = plan_of("orz_0p5b_ppo.toml", "train.max_tokens_per_micro_batch=32768")
+    assert ckpt.activations.layers * 5 < full.activations.layers  # 24 layers' activations vs inputs + one layer
+    assert double.activations.layers == pytest.approx(2 * ckpt.activations.layers)
+    # Without checkpointing 64k tokens of 8k samples on one GPU run out of 80 GB, as the first H100 run found.
+    oom = plan_of("orz_0p5b_ppo.toml", "train.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=65536")
+    assert oom.fits is False and "DOES NOT FIT" in render(oom)
+    small = plan_of("orz_0p5b_ppo.toml", "cluster.gpu_memory_gib=8")
+    assert small.fits is False
+
+
+def test_budget_must_hold_the_longest_sample():
+    with pytest.raises(ConfigError, match=r"train\.max_tokens_per_micro_batch: 8192 x sequence_parallel_size 1 < "
+                                          r"actor\.max_model_len 10048.*at least 10048"):
+        plan_of("orz_0p5b_ppo.toml", "train.max_tokens_per_micro_batch=8192")
+    # with SP the budget is per GPU: 2 ranks x 8192 hold it
+    ok = plan_of("orz_0p5b_ppo.toml", "train.max_tokens_per_micro_batch=8192", "train.sequence_parallel_size=2")
+    assert ok.token_budget == 8192 and "8,192 tokens" in render(ok)
+
+
+def test_arch_file_counts_parameters():
+    cfg = load_config(CONFIGS / "orz_1p5b_ppo.toml", ["model.num_params=0"])
+    p = make_plan(cfg)
+    assert p.num_params == 1_543_714_304 and p.params_source.endswith("qwen2.5-1.5b.json")
+    unknown = make_plan(load_config(CONFIGS / "orz_1p5b_ppo.toml", ["model.arch="]))
+    assert unknown.activations is None and "activations" in render(unknown) and unknown.fits is None

@@ -41,15 +41,17 @@ def main() -> None:
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
     plan = make_plan(cfg, num_prompts=100)
     layout = StepLayout.of(plan)
     trainer = Trainer(cfg, model, topo, layout)
     buckets = wg.plan_buckets(trainer.full_shapes(), 4, 1 << 20)
-    losses, grad_norms, extras, version, flats = [], [], [], 0, None
+    losses, grad_norms, extras, micro, version, flats = [], [], [], [], 0, None
     for update in range(cfg.train.total_steps):
         shares = make_shares(cfg, groups_for(update, version, cfg), version, cfg.staleness.max_staleness, topo.dp_size)[0] if topo.is_root else None
-        stats = trainer.update(scatter_shares(topo, shares))
+        share = scatter_shares(topo, shares)
+        micro.append(share.micro_sizes)  # rank 0's: how its samples were cut into micro-batches
+        stats = trainer.update(share)
         flats = trainer.snapshot(buckets, torch.float32, flats)
         version += trainer.layout.steps
         losses.append(stats.loss)
@@ -58,7 +60,7 @@ def main() -> None:
     if topo.is_root:
         assert flats is not None
         weights = torch.cat(flats)
-        Path(out_path).write_text(json.dumps({"losses": losses, "grad_norms": grad_norms, "extras": extras, "version": version, "samples": stats.samples,
+        Path(out_path).write_text(json.dumps({"losses": losses, "grad_norms": grad_norms, "extras": extras, "micro_sizes": micro, "version": version, "samples": stats.samples,
                                               "weight_sum": float(weights.double().sum()), "weight_abs": float(weights.double().abs().sum()),
                                               "world": topo.world}))
 

@@ -117,15 +117,6 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k3": kl_k3}
 
 
-def token_entropy(picked_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy [T] of softmax(logits / temperature) at the scored positions; `picked_logits` is [T, V]
-    (the rows `logits[mb.score_rows, mb.score_cols]`). In float32; p log p is taken as 0 where p = 0
-    (a -inf logit), which would otherwise give 0 * -inf = nan in the value and in the gradient."""
-    logp = torch.log_softmax(picked_logits.float() / temperature, dim=-1)
-    p = logp.exp()
-    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(dim=-1)
-
-
 @dataclass(kw_only=True, slots=True)
 class PolicyLossOut:
     loss: torch.Tensor  # scalar: (-sum(surr) + kl_coef sum(kl) - entropy_coef sum(H)) / total_tokens

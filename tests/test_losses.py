@@ -13,9 +13,9 @@ from learner.losses import (
     kl_k1,
     kl_k3,
     make_policy_loss,
-    token_entropy,
     value_loss,
 )
+from learner.scoring import ChunkedLogprobs
 from protocol.config import AlgoConfig
 
 # Five tokens shared by the correction tests; clip range [0.8, 1.28] (clip_low .2, clip_high .28).
@@ -107,26 +107,32 @@ def test_kl_estimators_by_hand():
     assert out.kl_mean is not None and out.kl_mean.item() == pytest.approx(0.25, abs=1e-6)
 
 
+def chunked_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The trainer's entropy (learner/scoring.py) of given logits: hidden = the logits, lm_head = identity."""
+    eye = torch.eye(logits.shape[1], dtype=logits.dtype)
+    return ChunkedLogprobs.apply(logits, eye, torch.zeros(len(logits), dtype=torch.long), temperature, 2, True)[:, 1]
+
+
 def test_entropy_of_known_distributions():
     logits = torch.tensor([
         [0.0, 0.0, 0.0, 0.0],  # uniform over 4: log 4
-        [math.log(0.5), math.log(0.25), math.log(0.25)] + [-math.inf],  # .5 log 2 + 2 * .25 log 4 = 1.5 log 2
+        [math.log(0.5), math.log(0.25), math.log(0.25), -1e4],  # .5 log 2 + 2 * .25 log 4 = 1.5 log 2
         [0.0, -1e4, -1e4, -1e4],  # one-hot: 0, not nan
     ])
-    h = token_entropy(logits)
+    h = chunked_entropy(logits)
     assert torch.allclose(h, torch.tensor([math.log(4), 1.5 * math.log(2), 0.0]), atol=1e-6)
     # temperature divides the logits first: doubled logits at T = 2 give the same distribution
-    assert torch.allclose(token_entropy(2 * logits[:2], temperature=2.0), h[:2], atol=1e-6)
+    assert torch.allclose(chunked_entropy(2 * logits[:2], temperature=2.0), h[:2], atol=1e-6)
     # the bonus is subtracted: -.01 * (log 4 + 1.5 log 2 + 0) / 4 tokens (A = 0)
     out = loss_fn("none", entropy_coef=0.01)(torch.zeros(3), torch.zeros(3), torch.zeros(3), total_tokens=4, entropy=h)
     assert out.loss.item() == pytest.approx(-0.01 * (math.log(4) + 1.5 * math.log(2)) / 4, abs=1e-7)
     assert out.entropy_mean is not None and out.entropy_mean.item() == pytest.approx((math.log(4) + 1.5 * math.log(2)) / 3)
 
 
-def test_entropy_gradient_raises_entropy_and_stays_finite_at_minus_inf():
-    logits = torch.tensor([[2.0, 0.0, -1.0, -math.inf]], requires_grad=True)
-    (-token_entropy(logits).sum()).backward()
-    # descending -H moves the top logit down and the lowest finite one up; the masked one gets 0, not nan
+def test_entropy_gradient_raises_entropy():
+    logits = torch.tensor([[2.0, 0.0, -1.0, -1e4]], requires_grad=True)
+    (-chunked_entropy(logits).sum()).backward()
+    # descending -H moves the top logit down and the lowest finite one up; a vanishing one gets 0, not nan
     assert logits.grad[0, 0] > 0 > logits.grad[0, 2]
     assert logits.grad[0, 3].item() == 0.0
 

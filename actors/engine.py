@@ -5,6 +5,10 @@ logprob of each sampled token under the distribution it was actually sampled
 from (after temperature), which is what the learner's importance ratio needs.
 Prefix caching is off: a cached prefix computed by old weights would make a new
 request's logprobs belong to no single policy version.
+
+CPU or CUDA (actor.device): the same engine, with the CPU build's environment knobs on a
+CPU and CUDA graphs plus tensor parallelism on GPUs (`engine_args`). CUDA graphs stay valid
+across weight syncs: the loads write the parameters in place (actors/worker_ext.py).
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ class Completion:
     text: str
 
 
-def engine_env(cfg: Config) -> None:
-    """Environment the vLLM CPU build reads at start (set before the engine spawns its processes)."""
+def engine_env(cfg: Config, on_cuda: bool) -> None:
+    """Environment vLLM reads at start (set before the engine spawns its processes). The CPU build's knobs
+    are left unset on CUDA: a GPU run takes nothing from the CPU-only actor fields."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if on_cuda:
+        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.actor.kvcache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.actor.cpu_bind)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.actor.threads))
@@ -41,26 +48,37 @@ def engine_env(cfg: Config) -> None:
     os.environ["FLEETRL_CPU_GEMM"] = cfg.actor.cpu_gemm  # read by actors/worker_ext.py in the worker
 
 
+def engine_args(cfg: Config, on_cuda: bool) -> dict[str, Any]:
+    """vLLM's AsyncEngineArgs for this actor."""
+    args: dict[str, Any] = dict(
+        model=cfg.model.path,
+        dtype=cfg.model.dtype,  # validated by the config: float32 | bfloat16
+        seed=cfg.run.seed,
+        max_model_len=cfg.actor.max_model_len,
+        max_num_seqs=cfg.actor.max_num_seqs,
+        # One engine spans this many GPUs, one worker process each; every worker is a rank of the weight group.
+        tensor_parallel_size=cfg.cluster.tensor_parallel_size,
+        # CUDA graphs on GPUs (a decode step is otherwise bound by kernel launches). The CPU build has none to capture.
+        enforce_eager=not on_cuda,
+        enable_prefix_caching=False,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="actors.worker_ext.FleetWeightReceiver",
+        disable_log_stats=True,  # its Prometheus counters cost the actor 7% of its time (py-spy); FleetRL logs its own
+    )
+    if on_cuda:
+        args["gpu_memory_utilization"] = cfg.actor.gpu_memory_utilization
+    return args
+
+
 class Engine:
     def __init__(self, cfg: Config):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        engine_env(cfg)
+        on_cuda = cfg.actor.on_cuda()
+        engine_env(cfg, on_cuda)
         self.cfg = cfg
-        args = AsyncEngineArgs(
-            model=cfg.model.path,
-            dtype=cfg.model.dtype,  # type: ignore[arg-type]  # validated by the config: float32 | bfloat16
-            seed=cfg.run.seed,
-            max_model_len=cfg.actor.max_model_len,
-            max_num_seqs=cfg.actor.max_num_seqs,
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="actors.worker_ext.FleetWeightReceiver",
-            disable_log_stats=True,  # its Prometheus counters cost the actor 7% of its time (py-spy); FleetRL logs its own
-        )
-        self.llm = AsyncLLM.from_engine_args(args)
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg, on_cuda)))
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)  # the one vLLM loads (same folder), unpooled
@@ -112,6 +130,10 @@ class Engine:
         weights it was just sent, is not already stale when it arrives."""
         await self.generate_group(np.ones(4, dtype=np.int32), self.cfg.rollout.samples_per_prompt)
 
+    async def devices(self) -> list[str]:
+        """Each engine worker's device identity, in worker-rank order: the weight-group ranks this actor registers."""
+        return list(await self.llm.collective_rpc("fleetrl_device"))
+
     async def apply_weights(self, sync: WeightSync, leave_group: bool = False) -> dict[str, Any]:
         """Pause between engine steps (in-flight requests are kept), receive and load, resume.
 
@@ -128,7 +150,9 @@ class Engine:
         await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         torn = False
         try:
-            (result,) = await self.llm.collective_rpc("fleetrl_receive", args=(fields,), timeout=sync.timeout_s + 30)
+            # Every worker runs it at once (one per GPU with tensor parallelism), each as its own rank.
+            results = await self.llm.collective_rpc("fleetrl_receive", args=(fields,), timeout=sync.timeout_s + 30)
+            result = merge_results(results)
             torn = "error" in result and result["buckets_loaded"] > 0
         finally:
             if not torn:
@@ -139,3 +163,15 @@ class Engine:
     def shutdown(self) -> None:
         self.llm.shutdown()
         del self.llm  # else AsyncLLM.__del__ shuts down again during interpreter exit and prints a TypeError
+
+
+def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report for the workers' receives: the slowest worker's times; failed if any failed, with the most
+    buckets any worker loaded (a single torn worker leaves the whole engine holding two versions)."""
+    assert results, "collective_rpc returned no worker result"
+    errors = [r for r in results if "error" in r]
+    if errors:
+        return {"error": "; ".join(sorted({r["error"] for r in errors})),
+                "buckets_loaded": max(r.get("buckets_loaded", 0) for r in results),
+                "failed_after_s": max(r.get("failed_after_s", 0.0) for r in errors)}
+    return {k: max(float(r[k]) for r in results) for k in results[0]}

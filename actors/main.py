@@ -67,6 +67,7 @@ class Actor:
         self.lost = 0  # times the learner was lost; a sync started before a loss must not set served_version
         self.leave_group = False  # the worker must drop its weight group and store before the next sync
         self.synced = 0  # weight syncs applied
+        self.devices: list[str] = []  # each engine worker's device identity: its weight-group ranks (set at start)
         self.registered = asyncio.Event()
         self.stop = asyncio.Event()
         self.exit_code = 0
@@ -84,6 +85,8 @@ class Actor:
             self.engine = Engine(self.cfg)
         with phase(self.log, "actor.engine_warmup"):
             await self.engine.warm_up()
+        self.devices = await self.engine.devices()
+        self.log.info("actor.engine_devices", ranks=len(self.devices), devices=self.devices)
         ctx = zmq.asyncio.Context()
         self.sock = transport.client_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self.keys,
                                             events=CONNECTION_EVENTS)
@@ -161,7 +164,8 @@ class Actor:
 
     async def _register(self) -> None:
         self.registered.clear()
-        await self._send(m.Register(actor_id=self.actor_id, host=socket.gethostname(), pid=os.getpid(), served_version=self.served_version))
+        await self._send(m.Register(actor_id=self.actor_id, host=socket.gethostname(), pid=os.getpid(), served_version=self.served_version,
+                                    devices=self.devices))
 
     async def _request_work(self) -> None:
         """Ask for work while there is room; the request names the actor's whole capacity (the hub subtracts

@@ -1,7 +1,11 @@
 """An actor's side of the weight group: join the epoch a WeightSync names, receive its buckets, load them.
 
-Runs in vLLM's worker process (actors/worker_ext.py hands it the model's `load_weights`);
-nothing here needs vLLM, so tests drive it in plain processes.
+Runs in vLLM's worker process (actors/worker_ext.py hands it the model's `load_weights`, and
+this worker's own rank); nothing here needs vLLM, so tests drive it in plain processes.
+
+Where the buckets land is the group's choice (WeightSync.backend, protocol/weights.py): NCCL
+writes them into a buffer on this worker's GPU (its current CUDA device, set by vLLM), gloo
+into host memory (pinned beside a GPU). load_weights copies from there into the parameters.
 
 A failure is reported, never raised, and leaves no group behind: the learner forms a new
 epoch and sends again. Whatever ends a receive, it ends soon (protocol/abortable.py):
@@ -32,10 +36,12 @@ Load = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
 class WeightReceiver:
-    def __init__(self, poll_s: float = 0.05):
+    def __init__(self, poll_s: float = 0.05, local: torch.device | None = None):
         self.poll_s = poll_s
+        self.local = local or wg.local_device()  # this worker's own device: where an NCCL group's buffer goes
         self.group: dist.ProcessGroup | None = None
         self.joined: tuple[str, int, int] | None = None  # (store host, port, epoch) of `group`: a restarted learner counts epochs from 1 again
+        self.backend = "gloo"  # of `group`
         self.control: dist.TCPStore | None = None  # our own store client for the joined/abort keys (see protocol/abortable.py)
         self.control_at: tuple[str, int] | None = None
         self.buffer: torch.Tensor | None = None  # one landing buffer kept across syncs (fresh memory page-faults on first touch)
@@ -53,17 +59,24 @@ class WeightReceiver:
                 raise Aborted(f"epoch {epoch}: {why}")
             group = self._join(sync, control, waits)
             t_join = time.perf_counter()
-            dtype = wg.DTYPES[sync["dtype"]]
+            dtype, backend = wg.DTYPES[sync["dtype"]], sync["backend"]
             need = wg.landing_numel(sync["shapes"], dtype, sync["bucket_bytes"])
-            if self.buffer is None or self.buffer.dtype != dtype or self.buffer.numel() < need:
-                self.buffer = torch.empty(need, dtype=dtype)
+            device = wg.group_device(backend, self.local)
+            buf = self.buffer
+            if buf is None or buf.dtype != dtype or buf.numel() < need or buf.device != device:
+                self.buffer = buf = None  # freed before the new one is made: both may not fit on the GPU
+                self.buffer = wg.landing_buffer(need, dtype, backend, self.local)
             for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], dtype, sync["bucket_bytes"], self.buffer,
                                             bcast=waits.broadcast):
-                load(pairs)
+                load(pairs)  # on CUDA its copies are queued on the current stream; NCCL's next write waits for them
                 loaded += 1
+            if self.local.type == "cuda":
+                # The last bucket's copies into the parameters are queued, not done: the engine may run them on
+                # another stream next, so they finish here (an error in them surfaces here too).
+                torch.cuda.current_stream(self.local).synchronize()
             if (why := waits.should_abort()) is not None:
                 raise Aborted(f"epoch {epoch} given up after the last bucket arrived (it may be torn): {why}")
-        except RuntimeError as e:  # Aborted; gloo's DistBackendError (peer gone, timeout); DistStoreError (learner gone)
+        except RuntimeError as e:  # Aborted; the backend's DistBackendError (peer gone, timeout); DistStoreError (learner gone)
             self.leave(drop_store=not isinstance(e, Aborted))
             first_line = (str(e).splitlines() or [type(e).__name__])[0]
             return {"error": first_line[:500], "buckets_loaded": loaded, "failed_after_s": time.perf_counter() - t0}
@@ -71,6 +84,8 @@ class WeightReceiver:
 
     def leave(self, drop_store: bool = False) -> None:
         """Drop the group (its abandoned operations live on in the graveyard) and the landing buffer they may still write."""
+        if self.group is not None:
+            wg.close_group(self.group, self.backend)
         self.group, self.joined, self.buffer = None, None, None
         if drop_store:
             self.control, self.control_at = None, None
@@ -87,18 +102,21 @@ class WeightReceiver:
         host, port, epoch = sync["store_host"], sync["store_port"], sync["group_epoch"]
         if self.group is not None and self.joined == (host, port, epoch):
             return self.group
+        backend = sync["backend"]  # the learner's choice for this epoch: every rank must agree
+        # Resolved here, before saying "joined" (a rank that cannot take part must not), and on this thread: the join
+        # thread has a current CUDA device of its own.
+        device = wg.group_device(backend, self.local)
         self.leave()
         control.set(joined_key(epoch, sync["rank"]), "1")
         bind = local_addr_towards(host, port)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
 
         def build() -> dist.ProcessGroup:
             # Its own store client: gloo's rendezvous blocks in `get` while a member is missing, holding the client.
             store = wg.open_store(host, port, is_master=False, timeout_s=sync["timeout_s"])
-            return wg.open_group(store, bind, epoch, sync["rank"], sync["world_size"], sync["timeout_s"], backend)
+            return wg.open_group(store, bind, epoch, sync["rank"], sync["world_size"], sync["timeout_s"], backend, device)
 
         self.group = waits.call(build, "join")
-        self.joined = (host, port, epoch)
+        self.joined, self.backend = (host, port, epoch), backend
         return self.group
 
 

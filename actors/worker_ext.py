@@ -12,6 +12,21 @@ replaced here, as `actor.cpu_gemm` (FLEETRL_CPU_GEMM, set by actors/engine.py) s
 - "vllm": vLLM's packed copy, but the plain parameter is kept as the source of truth
   (`remove_weight=False`) and each layer's copy is rebuilt after every load.
 The logprob-match test (tests/test_weight_sync.py) proves both.
+
+On CUDA (read from vLLM 0.32's gpu_worker, gpu_model_runner and multiproc executor; CUDA vLLM
+is not installed where this was written, and tests/test_weights_gpu.py runs where it is):
+- every worker of an engine runs these methods: `collective_rpc` sends each RPC to all of them
+  and returns their answers in worker-rank order. With tensor parallelism each worker is a rank
+  of the weight group (`rank` = the WeightSync's first rank + the worker's own `self.rank`),
+  receives every bucket, and the model's load_weights keeps its shard (the parallel linear
+  layers' weight loaders narrow the full tensor by their TP rank).
+- `model_runner.get_model()` unwraps the CUDA-graph wrapper (V1 runner); the V2 runner returns
+  the model itself. load_weights copies with `param.data.copy_(loaded)`, which takes a tensor on
+  any device (NCCL's buffer on this GPU, gloo's pinned host buffer).
+- CUDA graphs are captured once and replay reading the parameters' memory, so a load must write
+  in place, which copy_ does: no address changes. CUDA's unquantized linear layers keep their
+  weight as loaded (no process_weights_after_loading step to redo, unlike the CPU packing below
+  or quantized methods, for which vLLM has its layerwise reload; FleetRL syncs unquantized models).
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ from typing import Any
 import torch
 
 from actors.weight_receiver import WeightReceiver
+from protocol import weights as wg
 
 _pack_linear: Callable[..., None] | None
 try:  # only the CPU build packs weights; on CUDA this patch is never reached.
@@ -58,6 +74,11 @@ class FleetWeightReceiver:
     """Methods run in the vLLM worker; names carry a prefix so they cannot clash with the worker's."""
 
     model_runner: Any  # provided by the vLLM worker class this is mixed into
+    rank: int  # the worker's rank within its engine (vLLM's WorkerBase.rank): 0 .. tensor x pipeline parallel - 1
+
+    def fleetrl_device(self) -> str:
+        """This worker's device identity (protocol/weights.device_identity): what the actor registers, one per worker."""
+        return wg.device_identity(wg.local_device())
 
     def fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, Any]:
         """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it, repack.
@@ -71,8 +92,12 @@ class FleetWeightReceiver:
             receiver = self._fleetrl_receiver = WeightReceiver()
         if sync.pop("leave_group", False):
             receiver.leave(drop_store=True)
+        if not 0 <= self.rank < sync["ranks"]:  # the actor registered fewer workers than the engine has
+            return {"error": f"worker rank {self.rank} is outside the {sync['ranks']} ranks this actor was given",
+                    "buckets_loaded": 0, "failed_after_s": 0.0}
+        mine = {**sync, "rank": sync["rank"] + self.rank}
         model = self.model_runner.get_model()
-        result = receiver.receive(sync, model.load_weights)
+        result = receiver.receive(mine, model.load_weights)
         if "error" not in result:
             t0 = time.perf_counter()
             result["repacked"] = float(self._fleetrl_repack(model))

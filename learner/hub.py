@@ -58,6 +58,7 @@ class ActorState:
     first_version: int | None = None  # version_min of its first admissible group (a late joiner's must be current)
     key: str | None = None  # name of the CURVE key that registered it (None: CURVE off); only that key may replace it
     arrivals: deque[float] = field(default_factory=deque)  # accept times, last control.RATE_WINDOW_S (samples/s)
+    devices: list[str] = field(default_factory=lambda: [""])  # Register.devices: its weight-group ranks' devices
 
 
 @dataclass(slots=True)
@@ -246,15 +247,21 @@ class Hub:
             self.counters["actors_evicted"] += 1
         self._kick()
 
-    def send_weight_sync(self, members: list[str], make: Callable[[str, int], m.WeightSync]) -> None:
-        """Send `make(actor_id, rank)` (a WeightSync) to each member, rank = position + 1."""
+    def devices(self, actor_ids: list[str]) -> list[list[str]]:
+        """Each actor's device identities as it registered them, one per weight-group rank it holds. An actor
+        removed meanwhile counts as one CPU rank: the sender gives up any attempt it is part of anyway."""
+        with self.cond:
+            return [list(s.devices) if (s := self.actors.get(a)) is not None else [""] for a in actor_ids]
+
+    def send_weight_sync(self, members: list[str], make: Callable[[str], m.WeightSync]) -> None:
+        """Send `make(actor_id)` (a WeightSync, its ranks chosen by the sender) to each member."""
         assert self._loop is not None
 
         async def send_all() -> None:
-            for rank, actor_id in enumerate(members, start=1):
+            for actor_id in members:
                 state = self.actors.get(actor_id)
                 if state is not None:
-                    await self._send(state.identity, make(actor_id, rank))
+                    await self._send(state.identity, make(actor_id))
 
         asyncio.run_coroutine_threadsafe(send_all(), self._loop).result(timeout=30)
 
@@ -421,12 +428,14 @@ class Hub:
                     self._release(other, f"its connection registered again as {msg.actor_id!r}")
                     self.counters["reregistered"] += 1
                 now = time.monotonic()
-                self.actors[msg.actor_id] = ActorState(identity, now, self._trusted(msg.served_version), joined_at=now, key=key)
+                self.actors[msg.actor_id] = ActorState(identity, now, self._trusted(msg.served_version), joined_at=now, key=key,
+                                                       devices=list(msg.devices))
                 for fn in self._listeners:
                     fn(msg.actor_id, True)
             version = self.version
         if not repeat:
-            self.log.info("hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version)
+            self.log.info("hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version,
+                          ranks=len(msg.devices))
         await self._reply(identity, m.RegisterAck(actor_id=msg.actor_id, policy_version=version, heartbeat_s=self.cfg.hub.heartbeat_s))
 
     async def _unknown(self, identity: bytes, actor_id: str) -> None:

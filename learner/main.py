@@ -150,7 +150,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     # ZeRO <= 2: rank 0 holds every parameter, so the broadcast reads them in place and the next optimizer step
     # waits for it (guard). ZeRO-3: each sync gathers the buckets on every rank into rank 0's snapshot.
     sender = WeightSender(cfg.weights, names, trainer.full_shapes(), cfg.model.dtype,
-                          params=None if sharded else [p for _, p in trainer.named_parameters()])
+                          params=None if sharded else [p for _, p in trainer.named_parameters()], device=topo.device)
     if not sharded:
         sender.guard(trainer.engine.optimizer)
     snapshot = (lambda out: trainer.snapshot(sender.ranges, sender.torch_dtype, out)) if sharded else None

@@ -181,17 +181,24 @@ class Trainer:
             yield
 
     def snapshot(self, buckets: list[range], dtype: torch.dtype, out: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-        """Collective: rank 0 copies the weights into one flat tensor per bucket (reusing `out`); others join the gathers."""
+        """Collective: rank 0 copies the weights into one flat tensor per bucket (reusing `out`); others join the gathers.
+
+        The buffers are on this rank's device, so on GPUs the weight group sends from GPU memory with no trip
+        through the host (learner/weight_sync.py). ZeRO-3 gathers one bucket at a time: no rank holds more than
+        a bucket of full parameters beyond its shard, but rank 0 keeps the whole snapshot, a full copy of the
+        weights in its device memory, until the next sync.
+        """
         params = [p for _, p in self.named_parameters()]
         shapes = self.full_shapes()
+        device = self.topo.device
         if self.topo.is_root and out is None:
-            out = [torch.empty(sum(int(np.prod(shapes[i])) for i in b), dtype=dtype) for b in buckets]
+            out = [torch.empty(sum(int(np.prod(shapes[i])) for i in b), dtype=dtype, device=device) for b in buckets]
         for k, bucket in enumerate(buckets):
             chunk = [params[i] for i in bucket]
             with self.gathered(chunk), torch.no_grad():
                 if self.topo.is_root:
-                    assert out is not None
-                    torch.cat([p.detach().reshape(-1).to(dtype).cpu() for p in chunk], out=out[k])
+                    assert out is not None and out[k].device == device, f"snapshot buffer {k} not on {device}"
+                    torch.cat([p.detach().reshape(-1).to(dtype) for p in chunk], out=out[k])
         return out if self.topo.is_root else None
 
     def update(self, share: Share) -> UpdateStats:

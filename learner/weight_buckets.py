@@ -10,6 +10,10 @@ On the learner a bucket is broadcast from one of two places:
 - **copy**: a reused buffer per bucket, filled by one memcpy when the bucket is live
   memory, else one copy per parameter (a plain model, ZeRO-3, another dtype).
 
+Both are on the parameters' device: on GPUs NCCL sends straight from GPU memory. Only a gloo
+epoch beside a GPU (the shared-GPU fallback, protocol/weights.py) goes through host memory,
+one bucket at a time (`HostStaging`).
+
 Copies use numpy on CPU: one memcpy on the calling thread. torch's `copy_` splits the
 work across its OpenMP pool, and on a shared CPU one descheduled worker stalls the
 barrier: 12-99 ms instead of 8 ms for 64 MiB, measured on this machine under load.
@@ -103,6 +107,35 @@ class Buckets:
                 live = self.live(i)
                 flat = live if live is not None else self.copy(i)
             bcast(group, flat)
+
+
+class HostStaging:
+    """One reused pinned host buffer that a gloo epoch sends GPU buckets from.
+
+    Pinned: the device-to-host copy is one DMA (pageable memory would be staged by the driver
+    in chunks). One buffer, not one per bucket: each broadcast has ended before the next bucket
+    is copied in (the waits are on the host), so the fallback holds a bucket, not the model, in
+    host memory.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def to(self, device: torch.device, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` where a group on `device` sends from: itself, or its copy in the host buffer."""
+        if flat.device == device:
+            return flat
+        assert device.type == "cpu" and flat.is_cuda, f"a bucket on {flat.device} for a group on {device}"
+        buf = self._buf
+        if buf is None or buf.dtype != flat.dtype or buf.numel() < flat.numel():
+            buf = self._buf = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+        out = buf[: flat.numel()]
+        out.copy_(flat)  # blocking: gloo reads it on its own threads as soon as the broadcast starts
+        return out
+
+    def drop(self) -> None:
+        """Forget the buffer: an abandoned send may still be reading it."""
+        self._buf = None
 
 
 def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:

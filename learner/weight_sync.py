@@ -26,14 +26,22 @@ Where the bytes come from (see learner/weight_buckets.py):
   holds nothing up. A catch-up for a newcomer can therefore only start while no step runs.
 Either way the serving thread only ever sends version v: the copies are of v, and the guard
 keeps the parameters at v while it runs.
+
+On GPUs every one of those buffers is on the learner's GPU and NCCL sends from there
+(protocol/weights.py picks the backend per epoch from the devices the members registered).
+The serving thread queues its GPU work on a stream of its own, after an event recorded on the
+training thread's stream at `sync` (the snapshot's and the optimizer's writes come first), so
+training kernels never queue behind a broadcast. An epoch that falls back to gloo (a member
+shares the learner's GPU) copies each bucket to pinned host memory first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from learner.hub import Hub
-from learner.weight_buckets import Buckets
+from learner.weight_buckets import Buckets, HostStaging
 from protocol import messages as m
 from protocol import weights as wg
 from protocol.abortable import Abortable, Aborted, Graveyard, abort_key, joined_key
@@ -66,7 +74,8 @@ class Attempt:
 
     version: int
     epoch: int
-    members: list[str]  # rank = position + 1
+    members: list[str]  # member k holds ranks plan.first[k] .. plan.first[k] + plan.counts[k] - 1
+    plan: wg.GroupPlan  # backend, world size, ranks
     new_group: bool  # the epoch is new: members join before the broadcast
     gens: dict[str, int]  # each member's registration count when the attempt began (a re-registered one lacks v)
     catchup: bool = False  # not the sync's own attempt: a stop (the optimizer step) gives it up instead of waiting for it
@@ -85,8 +94,9 @@ class Serving:
 
 class WeightSender:
     def __init__(self, cfg: WeightsConfig, names: list[str], shapes: list[list[int]], dtype: str,
-                 params: list[torch.Tensor] | None = None):
-        """`params`: the full parameters when rank 0 holds them (ZeRO <= 2); None under ZeRO-3 (sync gets a snapshot)."""
+                 params: list[torch.Tensor] | None = None, device: torch.device | None = None):
+        """`params`: the full parameters when rank 0 holds them (ZeRO <= 2); None under ZeRO-3 (sync gets a snapshot).
+        `device`: the learner's own device, where the snapshots are (default: the parameters', else the CPU)."""
         self.cfg = cfg
         self.names = names
         self.shapes = shapes  # full (unsharded) shapes
@@ -96,15 +106,21 @@ class WeightSender:
         self.ranges = wg.plan_buckets(shapes, self.torch_dtype.itemsize, self.bucket_bytes)
         self.buckets = None if params is None else Buckets(params, self.torch_dtype, self.bucket_bytes)
         assert self.buckets is None or self.buckets.ranges == self.ranges
+        self.device = device or (params[0].device if params else torch.device("cpu"))
+        assert params is None or all(p.device == self.device for p in params), f"parameters not all on {self.device}"
+        self.identity = wg.device_identity(self.device)  # what plan_group compares with the members' devices
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ready: torch.cuda.Event | None = None  # recorded on the training stream at sync: what the serving stream waits for
+        self._staging = HostStaging()  # gloo epochs' host copies of GPU buckets (the shared-GPU fallback)
         self._flats: list[torch.Tensor] | None = None  # the last given snapshot (ZeRO-3)
         self.store = wg.open_store(cfg.host, cfg.port, is_master=True, timeout_s=cfg.timeout_s)
         self.port = self.store.port
         # Our own client for the joined/abort keys: gloo's rendezvous blocks in `get` holding a client's lock.
         self.control = wg.open_store(cfg.host, self.port, is_master=False, timeout_s=cfg.timeout_s)
-        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.epoch = 0
         self.members: list[str] = []  # of `group`
         self.group: dist.ProcessGroup | None = None
+        self.plan: wg.GroupPlan | None = None  # of `group`
         self.graveyard = Graveyard()
         self._hub: Hub | None = None
         self._thread: threading.Thread | None = None
@@ -168,6 +184,9 @@ class WeightSender:
         else:
             assert self.buckets is not None, "WeightSender without params needs a snapshot"
             flats = None if self._guarded else self.buckets.snapshot()
+        if self._stream is not None:  # the serving stream starts after everything the training stream wrote so far
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(self.device))
         members = hub.live_actors()
         self._serving = Serving(version=version)
         first = self._begin(version, members) if members else None  # WeightSync goes out before sync returns
@@ -242,7 +261,22 @@ class WeightSender:
         self._wake.set()
 
     # ---- serving thread ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """The serving thread's GPU work: on the learner's device (a new thread's current device is 0) and its own stream."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            if self._ready is not None:
+                self._stream.wait_event(self._ready)
+            yield
+
     def _serve(self, version: int, flats: list[torch.Tensor] | None, attempt: Attempt | None) -> None:
+        with self._on_device():
+            self._serve_loop(version, flats, attempt)
+
+    def _serve_loop(self, version: int, flats: list[torch.Tensor] | None, attempt: Attempt | None) -> None:
         retry_at, unexplained = 0.0, 0
         while True:
             if attempt is not None:
@@ -280,24 +314,36 @@ class WeightSender:
     def _begin(self, version: int, members: list[str], catchup: bool = False) -> Attempt:
         """Pick the group epoch for `members` and send each its WeightSync."""
         assert self._hub is not None
+        devices = self._hub.devices(members)  # before the lock: never held while calling the hub
         with self._lock:
-            reuse = self.group is not None and not self._group_stale and members == self.members
-            if not reuse:
+            reuse = self.group is not None and not self._group_stale and members == self.members and self.plan is not None
+            if reuse:
+                assert self.plan is not None
+                plan = self.plan
+            else:
                 # The old group has nothing in flight (a failed attempt already dropped it): it can go.
-                self.group, self.members, self._group_stale = None, list(members), False
+                if self.group is not None and self.plan is not None:
+                    wg.close_group(self.group, self.plan.backend)
+                plan = wg.plan_group(self.identity, list(zip(members, devices, strict=True)))
+                self.group, self.members, self.plan, self._group_stale = None, list(members), plan, False
                 self.epoch += 1
-            att = Attempt(version=version, epoch=self.epoch, members=list(members), new_group=not reuse,
+            att = Attempt(version=version, epoch=self.epoch, members=list(members), plan=plan, new_group=not reuse,
                           gens={a: self._gens[a] for a in members}, catchup=catchup)
             self._attempt, self._abort_why = att, None
         if att.new_group:
-            self.log.info("weights.new_group_epoch", epoch=att.epoch, members=att.members, version=version)
-        world = len(members) + 1
+            self.log.info("weights.new_group_epoch", epoch=att.epoch, members=att.members, version=version,
+                          backend=plan.backend, world_size=plan.world_size)
+            if plan.fallback:
+                self.log.warning("weights.gloo_fallback", epoch=att.epoch, why=plan.fallback,
+                                 how="each bucket goes GPU -> pinned host memory -> gloo -> the members' GPUs")
+        rank_of = {a: (plan.first[k], plan.counts[k]) for k, a in enumerate(members)}
 
-        def make(actor_id: str, rank: int) -> m.WeightSync:
+        def make(actor_id: str) -> m.WeightSync:
+            first, count = rank_of[actor_id]
             return m.WeightSync(
                 policy_version=version, group_epoch=att.epoch, store_host=self.cfg.host, store_port=self.port,
-                rank=rank, world_size=world, timeout_s=self.cfg.timeout_s, names=self.names,
-                shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
+                rank=first, ranks=count, world_size=plan.world_size, backend=plan.backend, timeout_s=self.cfg.timeout_s,
+                names=self.names, shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
 
         self._hub.send_weight_sync(members, make)
         gone = set(members) - set(self._hub.live_actors())  # removed before the attempt was registered above
@@ -323,12 +369,17 @@ class WeightSender:
                     with self._lock:
                         self.group = group
                 assert group is not None
+                on = wg.group_device(att.plan.backend, self.device)
+
+                def send(g: dist.ProcessGroup, flat: torch.Tensor) -> None:
+                    waits.broadcast(g, self._staging.to(on, flat))  # the same tensor unless gloo meets a GPU bucket
+
                 if self.buckets is None:
                     assert flats is not None
                     for flat in flats:
-                        waits.broadcast(group, flat)
+                        send(group, flat)
                 else:
-                    self.buckets.send(group, flats, bcast=waits.broadcast)  # guarded (flats None): the step waits for this thread
+                    self.buckets.send(group, flats, bcast=send)  # guarded (flats None): the step waits for this thread
         except RuntimeError as e:  # Aborted; gloo's DistBackendError (a peer closed, a timeout)
             self._give_up(att, e, time.perf_counter() - t0)
             return False
@@ -352,13 +403,16 @@ class WeightSender:
     def _await_joins(self, att: Attempt) -> None:
         """Until every member has set its joined key; a member that never does is evicted from the hub."""
         assert self._hub is not None
-        keys = {a: joined_key(att.epoch, rank) for rank, a in enumerate(att.members, start=1)}
+        plan = att.plan
+        keys = {a: [joined_key(att.epoch, r) for r in range(plan.first[k], plan.first[k] + plan.counts[k])]
+                for k, a in enumerate(att.members)}  # one per rank: each engine worker joins on its own
+        every = [key for ks in keys.values() for key in ks]
         deadline = time.monotonic() + self.cfg.timeout_s
-        while not self.control.check(list(keys.values())):
+        while not self.control.check(every):
             if (why := self._why_abort(att)) is not None:
                 raise Aborted(why)
             if time.monotonic() > deadline:
-                missing = [a for a, k in keys.items() if not self.control.check([k])]
+                missing = [a for a, ks in keys.items() if not self.control.check(ks)]
                 why = f"did not join weight group epoch {att.epoch} within weights.timeout_s = {self.cfg.timeout_s} s"
                 with self._lock:  # only the registration it was sent to: one that came back since is not to blame
                     stale = [a for a in missing if self._gens[a] == att.gens[a]]
@@ -379,14 +433,19 @@ class WeightSender:
     def _build(self, att: Attempt) -> dist.ProcessGroup:
         # A store client of its own: an abandoned rendezvous keeps blocking in it until its timeout.
         store = wg.open_store(self.cfg.host, self.port, is_master=False, timeout_s=self.cfg.timeout_s)
-        return wg.open_group(store, self.cfg.host, att.epoch, 0, len(att.members) + 1, self.cfg.timeout_s, self.backend)
+        backend = att.plan.backend
+        return wg.open_group(store, self.cfg.host, att.epoch, 0, att.plan.world_size, self.cfg.timeout_s, backend,
+                             wg.group_device(backend, self.device))
 
     def _give_up(self, att: Attempt, error: RuntimeError, elapsed: float) -> None:
         """Tell the members the epoch is over (before returning: the optimizer may write the parameters next)."""
         assert self._serving is not None
         self.control.set(abort_key(att.epoch), str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
         with self._lock:
-            self.group, self.members = None, []  # an operation still in flight lives on in the graveyard
+            if self.group is not None:
+                wg.close_group(self.group, att.plan.backend)
+            self.group, self.members, self.plan = None, [], None  # an operation still in flight lives on in the graveyard
+        self._staging.drop()  # an abandoned gloo send may still read it: the next epoch stages into fresh memory
         self._serving.failed += 1
         self.log.warning("weights.attempt_failed", epoch=att.epoch, version=att.version, members=att.members,
                          seconds=round(elapsed, 3), error=(str(error).splitlines() or [type(error).__name__])[0][:300])

@@ -17,6 +17,18 @@ So nothing here waits inside gloo or on a shared store client:
 - a blocking call (building a group: gloo's rendezvous) runs on a helper thread
   with its own store client, and is abandoned the same way.
 
+How NCCL differs (read from torch's ProcessGroupNCCL; not run on this machine):
+- its Work's future is marked done when the kernel is enqueued, not when it has run (torch
+  documents `Future.done()` so for CUDA tensors), and `Work.wait()` only makes the current
+  stream wait for NCCL's stream: neither says the bytes have arrived. So a broadcast here
+  waits on a CUDA event recorded after it, synchronised on a helper thread that sets the
+  same kind of Event as gloo's callback; a receiver's load_weights therefore reads a
+  complete bucket, and a sender's buffer may be written again once the wait returns;
+- `abort()` works (ncclCommAbort): the stuck kernel ends, the event completes, the helper
+  thread returns. An abandoned NCCL broadcast is aborted, where gloo's is left to time out;
+- a group that fails a collective would take the whole process down from torch's watchdog
+  thread by default; protocol/weights.py builds ours so that it fails the work instead.
+
 Each group epoch has two keys of our own in the store, beside gloo's:
   joined/<rank>  set by a member just before it builds the group: rank 0 can name who never came;
   abort          set by rank 0 when it gives the epoch up: members stop waiting, drop the group, and
@@ -57,20 +69,21 @@ def abort_key(epoch: int) -> str:
 
 @dataclass(slots=True)
 class Graveyard:
-    """Abandoned operations and what they hold, kept until gloo is done with them.
+    """Abandoned operations and what they hold, kept until the backend is done with them.
 
     Dropping the last reference to a group with an operation in flight would block the
     dropping thread in the group's destructor until that operation times out.
     """
 
-    _graves: list[tuple[Any, list[torch.futures.Future]]] = field(default_factory=list)
+    _graves: list[tuple[Any, threading.Event]] = field(default_factory=list)
 
-    def keep(self, holding: Any, pending: list[torch.futures.Future]) -> None:
-        self._graves.append((holding, pending))
+    def keep(self, holding: Any, done: threading.Event) -> None:
+        """Hold `holding` until `done` is set (the abandoned operation ended, one way or another)."""
+        self._graves.append((holding, done))
         self.prune()
 
     def prune(self) -> None:
-        self._graves = [(h, p) for h, p in self._graves if not all(f.done() for f in p)]
+        self._graves = [(h, d) for h, d in self._graves if not d.is_set()]
 
     def __len__(self) -> int:
         return len(self._graves)
@@ -96,23 +109,40 @@ class Abortable:
                 raise Aborted(f"{what}: not done after {self.timeout_s} s")
 
     def broadcast(self, group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-        """Broadcast from rank 0 in place, abortably; raises RuntimeError (gloo's) or Aborted."""
+        """Broadcast from rank 0 in place, abortably; raises RuntimeError (the backend's) or Aborted.
+
+        Returns once the bytes are in `tensor` (receiver) or out of it (sender), on the host's clock.
+        """
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
         work = group.broadcast([tensor], opts)
-        future = work.get_future()
         done = threading.Event()
-        future.add_done_callback(lambda _: done.set())
+        if tensor.is_cuda:  # NCCL
+            # Raises at once if the communicator already failed; else orders the current stream after NCCL's.
+            work.wait()
+            ran = torch.cuda.Event(blocking=True)  # blocking: the helper thread sleeps in the sync, it does not spin
+            ran.record(torch.cuda.current_stream(tensor.device))
+            threading.Thread(target=_set_when_ran, args=(ran, done), name="fleetrl-nccl-wait", daemon=True).start()
+        else:  # gloo completes its future when the operation has ended, data and all
+            work.get_future().add_done_callback(lambda _: done.set())
         try:
             self.wait(done, "broadcast")
         except Aborted:
-            self.graveyard.keep((group, tensor), [future])
+            if tensor.is_cuda:
+                # ncclCommAbort ends the kernel (else it, and every stream made to wait for it, would hang until
+                # the group's timeout); the group is dead afterwards, as the caller already assumes.
+                group.abort()
+            self.graveyard.keep((group, tensor, work), done)
             raise
-        work.wait()  # already complete: raises the error it ended with (a peer closed the connection)
+        work.wait()  # already complete: raises the error it ended with (a peer closed the connection, NCCL's abort)
 
     def call(self, fn: Callable[[], T], what: str) -> T:
-        """`fn()` on a helper thread; raises Aborted (abandoning the thread) or whatever fn raised."""
+        """`fn()` on a helper thread; raises Aborted (abandoning the thread) or whatever fn raised.
+
+        Abandoned is all: an NCCL rendezvous (ncclCommInitRank) stays blocked on its thread until NCCL's
+        own bootstrap gives up, since the group it is building is not ours to abort yet.
+        """
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -129,3 +159,10 @@ class Abortable:
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+
+def _set_when_ran(ran: torch.cuda.Event, done: threading.Event) -> None:
+    try:
+        ran.synchronize()  # returns when the kernel has run, or has been ended by an abort
+    finally:
+        done.set()  # work.wait() on the caller's thread then says which

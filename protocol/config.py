@@ -166,16 +166,21 @@ class AuthConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ActorConfig:
-    kvcache_gib: int = 1  # vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    # Where the engine runs: "cuda" (vLLM's CUDA build; the CPU-only fields below are then neither set nor checked),
+    # "cpu" (vLLM's CPU build), or "auto": cuda when torch in the actor's process sees a GPU, else cpu.
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9  # CUDA: share of each GPU's memory vLLM may take (weights, KV cache, graphs)
+    kvcache_gib: int = 1  # CPU: vLLM KV cache size (VLLM_CPU_KVCACHE_SPACE)
     max_model_len: int = 64  # engine context length
     max_num_seqs: int = 256  # engine's concurrent sequences (continuous batching width)
-    threads: int = 1  # CPU threads for the engine's worker (OMP_NUM_THREADS)
-    cpu_bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND: "nobind", "auto", or CPU ids such as "0-1"
+    threads: int = 1  # CPU: threads for the engine's worker (OMP_NUM_THREADS)
+    cpu_bind: str = "nobind"  # CPU: VLLM_CPU_OMP_THREADS_BIND: "nobind", "auto", or CPU ids such as "0-1"
     # Run vLLM's model worker inside its engine-core process (vLLM's "uni" executor, as it does on a GPU with
     # one device) instead of a process of its own (its default on CPU). One process fewer per actor, and none of
     # the spin-waits between the two: `make demo` trained 2.8x faster (all processes on 2 cores), and with two
     # actors pinned to one core bench.async_vs_sync gained 1.05-1.3x samples/s.
-    # Needs cpu_bind = "nobind": vLLM binds OMP threads only in a worker process of its own.
+    # Needs cpu_bind = "nobind": vLLM binds OMP threads only in a worker process of its own. CPU only: on CUDA
+    # vLLM already runs one GPU's worker in its engine core, and one process per GPU with tensor parallelism.
     worker_in_engine: bool = True
     # How the CPU build runs linear layers (no effect on GPUs):
     # - "torch": torch.nn.functional.linear on the parameter itself. A weight sync writes straight into what
@@ -185,6 +190,14 @@ class ActorConfig:
     cpu_gemm: str = "torch"
     max_groups: int = 8  # prompts an actor holds at once (asks for more below this)
     cpu_affinity: str = ""  # CPU ids the actor and its engine processes may run on, e.g. "1" ("" = all)
+
+    def on_cuda(self) -> bool:
+        """Whether the engine runs on CUDA. "auto" asks torch, so it is imported only when this is called."""
+        if self.device != "auto":
+            return self.device == "cuda"
+        import torch
+
+        return torch.cuda.is_available()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -334,9 +347,13 @@ def _check(cfg: Config) -> None:
     _check_auth(cfg, need)
     need(cfg.actor.max_model_len > cfg.rollout.max_tokens, "actor.max_model_len", "must exceed rollout.max_tokens")
     need(cfg.actor.max_groups >= 1, "actor.max_groups", "must be >= 1")
-    need(not cfg.actor.worker_in_engine or cfg.actor.cpu_bind == "nobind", "actor.worker_in_engine",
+    need(cfg.actor.device in ("auto", "cpu", "cuda"), "actor.device", f"{cfg.actor.device!r} must be auto, cpu or cuda")
+    need(0 < cfg.actor.gpu_memory_utilization <= 1, "actor.gpu_memory_utilization", "must be in (0, 1]")
+    # CPU-only fields: a GPU actor neither sets nor checks them. Each check asks on_cuda() only once it has
+    # failed, so a CPU run (and a learner, which shares this file) never imports torch for it.
+    need(not cfg.actor.worker_in_engine or cfg.actor.cpu_bind == "nobind" or cfg.actor.on_cuda(), "actor.worker_in_engine",
          f"must be false when actor.cpu_bind = {cfg.actor.cpu_bind!r}: vLLM binds OMP threads only in a worker process of its own")
-    need(cfg.actor.cpu_gemm in ("torch", "vllm"), "actor.cpu_gemm", f"{cfg.actor.cpu_gemm!r} must be torch or vllm")
+    need(cfg.actor.cpu_gemm in ("torch", "vllm") or cfg.actor.on_cuda(), "actor.cpu_gemm", f"{cfg.actor.cpu_gemm!r} must be torch or vllm")
     need(cfg.demo.num_actors >= 1, "demo.num_actors", "must be >= 1")
     need(cfg.demo.warmstart_steps >= 0, "demo.warmstart_steps", "must be >= 0")
     need(0 <= cfg.demo.warmstart_smoothing < 1, "demo.warmstart_smoothing", "must be in [0, 1)")

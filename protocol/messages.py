@@ -12,12 +12,16 @@ version is the version of the weights that produced its oldest token.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
 
-PROTOCOL_VERSION = 3  # 2: positional header (protocol/codec.py); 3: WorkRequest.max_prompts is a capacity
+# 2: positional header (protocol/codec.py); 3: WorkRequest.max_prompts is a capacity;
+# 4: Register.devices, WeightSync.ranks and WeightSync.backend (weight groups on GPUs)
+PROTOCOL_VERSION = 4
+WEIGHT_BACKENDS = ("nccl", "gloo")  # a weight group's torch.distributed backend; protocol/weights.py picks one per epoch
+MAX_RANKS_PER_ACTOR = 64  # weight-group ranks one registration may claim: a peer cannot grow the group without bound
 
 
 _ONES = np.ones(1 << 16, np.float32)
@@ -54,6 +58,15 @@ class Register(Message):
     host: str  # hostname, for the operator
     pid: int
     served_version: int  # policy version the engine holds now (-1: none of this learner's: it lost the learner or a sync)
+    # One entry per weight-group rank the actor holds: its engine's workers in vLLM rank order (tensor x pipeline
+    # parallel). Each is the worker's device identity, "cuda:<GPU UUID>" (protocol/weights.device_identity), or ""
+    # for a CPU worker. The learner reads them to pick the group's backend (two ranks on one GPU cannot share an
+    # NCCL group). The default is one CPU rank, what an engine-less test member is.
+    devices: list[str] = field(default_factory=lambda: [""])
+
+    def check(self) -> None:
+        if not 1 <= len(self.devices) <= MAX_RANKS_PER_ACTOR:
+            raise ProtocolError(f"Register.devices: {len(self.devices)} ranks, must be 1..{MAX_RANKS_PER_ACTOR}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -216,8 +229,10 @@ class WeightSync(Message):
     group_epoch: int  # membership number; a new epoch means a new process group
     store_host: str  # TCPStore rendezvous of the weight group (learner rank 0 is master)
     store_port: int
-    rank: int  # this actor's rank in the group (learner rank 0 is rank 0)
+    rank: int  # this actor's first rank in the group (learner rank 0 is rank 0)
+    ranks: int  # ranks it holds, rank .. rank + ranks - 1: one per engine worker (worker i is rank + i)
     world_size: int
+    backend: str  # "nccl" (tensors on each rank's GPU) | "gloo" (host memory): the learner's choice for this epoch
     timeout_s: float
     names: list[str]
     shapes: list[list[int]]
@@ -227,8 +242,10 @@ class WeightSync(Message):
     def check(self) -> None:
         if len(self.names) != len(self.shapes):
             raise ProtocolError("WeightSync: names and shapes differ in length")
-        if not 0 < self.rank < self.world_size:
-            raise ProtocolError(f"WeightSync.rank: {self.rank} not in 1..{self.world_size - 1}")
+        if self.ranks < 1 or not 0 < self.rank <= self.world_size - self.ranks:
+            raise ProtocolError(f"WeightSync.rank: ranks {self.rank}..{self.rank + self.ranks - 1} not within 1..{self.world_size - 1}")
+        if self.backend not in WEIGHT_BACKENDS:
+            raise ProtocolError(f"WeightSync.backend: {self.backend!r} unknown (known: {', '.join(WEIGHT_BACKENDS)})")
 
 
 @dataclass(kw_only=True, slots=True)

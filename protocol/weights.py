@@ -11,6 +11,15 @@ bucket: a round trip per parameter is what makes naive syncs slow. Both sides
 derive the same bucket layout from (names, shapes, dtype) with `plan_buckets`. Rank 0's
 side of a bucket (which memory it is sent from) is learner/weight_buckets.py.
 
+Backend and device, decided here and nowhere else (`plan_group`, per group epoch, by the
+learner, which names the backend in each WeightSync): NCCL when every rank is on a GPU of
+its own, its tensors on each rank's GPU; gloo otherwise, its tensors in host memory. NCCL
+refuses two ranks on one GPU (a learner and an actor sharing a one-GPU machine, or two
+engines packed on one GPU), so such an epoch falls back to gloo through pinned host memory
+(docs/architecture.md says why this and not CUDA IPC). Ranks report their GPUs at
+registration (Register.devices); a member may hold several ranks, one per engine worker
+(tensor parallelism): each receives every bucket and vLLM's load_weights keeps its shard.
+
 Failure mode: a collective with a dead member blocks until `timeout` and then
 raises; the caller must treat the whole group as broken and form a new epoch.
 protocol/abortable.py waits so that an abort ends that sooner, on both sides.
@@ -19,15 +28,95 @@ protocol/abortable.py waits so that an abort ends that sooner, on both sides.
 from __future__ import annotations
 
 import math
+import os
 import socket
+import threading
 import typing
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from protocol.messages import WEIGHT_BACKENDS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU = ""  # the device identity of a rank without a GPU
+
+
+def device_identity(device: torch.device) -> str:
+    """What names a rank's device across processes and hosts: "cuda:<GPU UUID>", or "" (CPU).
+
+    The UUID, not hostname + index: CUDA_VISIBLE_DEVICES renumbers GPUs per process, and two
+    containers on one machine have different hostnames but the same GPUs.
+    """
+    if device.type != "cuda":
+        return CPU
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{torch.cuda.get_device_properties(index).uuid}"
+
+
+def local_device() -> torch.device:
+    """This thread's CUDA device (a vLLM worker's own: vLLM sets it at init), or the CPU without CUDA."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """One group epoch's layout: rank 0 is the learner; member k holds ranks first[k] .. first[k] + counts[k] - 1."""
+
+    backend: str  # "nccl" | "gloo"
+    world_size: int
+    first: tuple[int, ...]
+    counts: tuple[int, ...]
+    fallback: str  # why an epoch with GPUs in it runs on gloo ("" when it does not): logged by the learner
+
+
+def plan_group(learner: str, members: list[tuple[str, list[str]]]) -> GroupPlan:
+    """The backend and rank layout for rank 0 on device `learner` plus `members` as (actor id, device identities)."""
+    first, counts, rank = [], [], 1
+    owners: dict[str, list[str]] = {}  # device identity -> who has a rank on it
+    if learner != CPU:
+        owners[learner] = ["the learner"]
+    for actor, devices in members:
+        assert devices, f"{actor}: no ranks"
+        first.append(rank)
+        counts.append(len(devices))
+        rank += len(devices)
+        for i, d in enumerate(devices):
+            if d != CPU:
+                owners.setdefault(d, []).append(actor if len(devices) == 1 else f"{actor} worker {i}")
+    identities = [learner] + [d for _, devices in members for d in devices]
+    gpus = [d for d in identities if d != CPU]
+    shared = {d: who for d, who in owners.items() if len(who) > 1}
+    if gpus and len(gpus) == len(identities) and not shared:
+        return GroupPlan(backend="nccl", world_size=rank, first=tuple(first), counts=tuple(counts), fallback="")
+    why = ""
+    if shared:
+        why = "; ".join(f"{' and '.join(who)} share GPU {d}" for d, who in shared.items()) + " (NCCL takes one rank per GPU)"
+    elif gpus:
+        why = f"{len(identities) - len(gpus)} of {len(identities)} ranks are on the CPU"
+    return GroupPlan(backend="gloo", world_size=rank, first=tuple(first), counts=tuple(counts), fallback=why)
+
+
+def group_device(backend: str, local: torch.device) -> torch.device:
+    """Where a rank's weight-group tensors live: its own GPU for NCCL (which refuses anything else:
+    "Tensors must be CUDA and dense"), host memory for gloo. `local` is the rank's own device."""
+    assert backend in WEIGHT_BACKENDS, backend  # WeightSync.check refuses others
+    if backend == "nccl":
+        if local.type != "cuda":  # the learner picked NCCL from the devices this rank registered: they disagree
+            raise RuntimeError(f"the weight group uses NCCL but this rank has no GPU (it runs on {local})")
+        return local
+    return torch.device("cpu")
+
+
+def landing_buffer(numel: int, dtype: torch.dtype, backend: str, local: torch.device) -> torch.Tensor:
+    """A receiver's reused bucket buffer. On gloo beside a GPU (the shared-GPU fallback) it is pinned: the
+    copy into the GPU parameters is then a DMA, not a staged copy through pageable memory."""
+    device = group_device(backend, local)
+    pin = device.type == "cpu" and local.type == "cuda"
+    return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
 
 
 def plan_buckets(shapes: list[list[int]], itemsize: int, bucket_bytes: int) -> list[range]:
@@ -78,18 +167,18 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def open_group(
-    store: dist.Store, bind_host: str, epoch: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
+    store: dist.Store, bind_host: str, epoch: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo",
+    device: torch.device | None = None,
 ) -> dist.ProcessGroup:
-    """Join weight-group `epoch`, with gloo bound to `bind_host` (this side's own address).
+    """Join weight-group `epoch`: gloo bound to `bind_host` (this side's own address), or NCCL on `device`.
 
     Blocks until all `world_size` members have joined, or raises after the timeout.
     """
     prefixed = dist.PrefixStore(f"fleetrl-weights/epoch-{epoch}", store)
     timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return typing.cast(dist.ProcessGroup, dist.ProcessGroupNCCL(prefixed, rank, world_size, opts))
+        assert device is not None and device.type == "cuda", f"NCCL weight group on {device}"
+        return _nccl_group(prefixed, rank, world_size, timeout, device)
     # _Options is private torch API, but the only way to bind gloo to one address without env vars.
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
@@ -98,12 +187,65 @@ def open_group(
     return typing.cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefixed, rank, world_size, opts))
 
 
+_NCCL_ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_env_lock = threading.Lock()
+
+
+def _nccl_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta, device: torch.device) -> dist.ProcessGroup:
+    """An NCCL group that fails its operations instead of killing the process, connected before it returns.
+
+    ProcessGroupNCCL reads its error handling from the environment in its constructor. torch's
+    default (3) has the group's watchdog thread take the whole process down when a collective
+    times out or NCCL reports a remote error: one member dying mid-broadcast would kill the
+    learner and every other member. 2 (CleanUpOnly) aborts the communicator and fails the work
+    instead, which protocol/abortable.py turns into a given-up epoch. It is set only around this
+    constructor, so the process's other groups (DeepSpeed's, vLLM's) keep theirs; the lock keeps
+    two of ours from interleaving (setenv racing a getenv on another thread is the residual risk).
+    """
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    with _env_lock:
+        before = os.environ.get(_NCCL_ERRORS)
+        os.environ[_NCCL_ERRORS] = "2"
+        try:
+            group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        finally:
+            if before is None:
+                del os.environ[_NCCL_ERRORS]
+            else:
+                os.environ[_NCCL_ERRORS] = before
+    # NCCL connects lazily, at the first collective, inside the broadcast call where no abort can reach it.
+    # Connecting here instead puts that wait (every rank's ncclCommInitRank) on the caller's join thread,
+    # which protocol/abortable.py can abandon like gloo's rendezvous.
+    group.eager_connect_single_device(device)
+    return typing.cast(dist.ProcessGroup, group)
+
+
+def close_group(group: dist.ProcessGroup, backend: str) -> None:
+    """Let a group go that will not be used again (replaced by a new epoch, or given up).
+
+    NCCL: abort() now, which is local (ncclCommAbort never waits for peers, some of which may be
+    dead) and ends any kernel still stuck in it. Left to its destructor instead, torch warns and
+    tears the communicator down at some later garbage collection. gloo: dropping it is enough (its
+    abort() releases nothing); an operation still in flight keeps it alive from the graveyard.
+    """
+    if backend == "nccl":
+        group.abort()
+
+
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-    """Broadcast from rank 0 in place; raises on timeout or a dead member."""
+    """Broadcast from rank 0 in place; raises on timeout or a dead member.
+
+    On CUDA the work's wait() only makes the current stream wait for NCCL's; the stream sync
+    after it makes "returned" mean "the bytes are there" on the host, as with gloo (a caller may
+    overwrite a sent buffer next, or read a received one on another stream).
+    """
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
     group.broadcast([tensor], opts).wait()
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
 
 
 def bucket_numels(shapes: list[list[int]], buckets: list[range]) -> list[int]:
@@ -119,19 +261,21 @@ def landing_numel(shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int
 def receive_buckets(
     group: dist.ProcessGroup, names: list[str], shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int,
     buffer: torch.Tensor | None = None, bcast: Callable[[dist.ProcessGroup, torch.Tensor], None] | None = None,
+    backend: str = "gloo", local: torch.device | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Other ranks: yield each received bucket as (name, tensor view) pairs, in broadcast order.
 
-    Every bucket lands in one reused `buffer` (allocated here if missing or too small), so the
-    views are valid only until the next bucket is requested: load them before asking for more.
-    `bcast` receives one bucket (default `broadcast`; protocol/abortable.py's gives up on an abort).
+    Every bucket lands in one reused `buffer` (allocated here, on the device `backend` needs, if
+    missing or too small), so the views are valid only until the next bucket is requested: load
+    them before asking for more. `bcast` receives one bucket (default `broadcast`; protocol/abortable.py's
+    gives up on an abort); when it returns the bytes are in the buffer, whichever stream reads them.
     """
     bcast = bcast or broadcast
     itemsize = torch.tensor([], dtype=dtype).element_size()
     buckets = plan_buckets(shapes, itemsize, bucket_bytes)
     numels = bucket_numels(shapes, buckets)
     if buffer is None or buffer.dtype != dtype or buffer.numel() < max(numels, default=0):
-        buffer = torch.empty(max(numels, default=0), dtype=dtype)
+        buffer = landing_buffer(max(numels, default=0), dtype, backend, local or torch.device("cpu"))
     for bucket, numel in zip(buckets, numels, strict=True):
         flat = buffer[:numel]
         bcast(group, flat)

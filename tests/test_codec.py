@@ -14,13 +14,13 @@ from protocol import messages as m
 from protocol.codec import decode, encode
 
 SAMPLES = [
-    m.Register(actor_id="a", host="h", pid=1, served_version=0),
+    m.Register(actor_id="a", host="h", pid=1, served_version=0, devices=["cuda:GPU-1", ""]),
     m.RegisterAck(actor_id="a", policy_version=3, heartbeat_s=2.0),
     m.Heartbeat(actor_id="a", served_version=2, groups_in_flight=4),
     m.WorkRequest(actor_id="a", max_prompts=8),
     m.WorkGrant(prompt_id=5, epoch=1, prompt_tokens=np.arange(4, dtype=np.int32), answer="7", policy_version=2, lease_s=60.0),
     rollout_group(),
-    m.WeightSync(policy_version=1, group_epoch=2, store_host="127.0.0.1", store_port=1234, rank=1, world_size=3,
+    m.WeightSync(policy_version=1, group_epoch=2, store_host="127.0.0.1", store_port=1234, rank=1, ranks=2, world_size=3, backend="nccl",
                  timeout_s=30.0, names=["w", "b"], shapes=[[2, 3], [3]], dtype="float32", bucket_bytes=1 << 20),
     m.WeightVersion(actor_id="a", served_version=1, group_epoch=2, load_s=0.1),
     m.Error(code="protocol", detail="x"),
@@ -90,8 +90,8 @@ def _with_header(frames, header):
 @pytest.mark.parametrize(
     "mutate, needle",
     [
-        (lambda h: h.__setitem__(0, 99), "protocol version 99, this side speaks 3"),
-        (lambda h: h.__setitem__(0, "2"), "protocol version '2', this side speaks 3"),
+        (lambda h: h.__setitem__(0, 99), f"protocol version 99, this side speaks {m.PROTOCOL_VERSION}"),
+        (lambda h: h.__setitem__(0, "2"), f"protocol version '2', this side speaks {m.PROTOCOL_VERSION}"),
         (lambda h: h.__setitem__(1, "Nope"), "unknown message type 'Nope'"),
         (lambda h: h.__setitem__(1, ["RolloutGroup"]), "unknown message type ['RolloutGroup']"),
         (lambda h: h.append(0), "header: expected [version, type, dtypes, values], got list"),
@@ -128,7 +128,7 @@ def test_bad_headers_are_named(mutate, needle):
 def test_protocol_1_header_names_the_version():
     """A peer still on the map layout (protocol 1) gets told the version mismatch, not a parse error."""
     header = {"v": 1, "t": "Register", "f": {"actor_id": "a", "host": "h", "pid": 1, "served_version": 0}, "a": []}
-    with pytest.raises(m.ProtocolError, match="protocol version 1, this side speaks 3"):
+    with pytest.raises(m.ProtocolError, match=f"protocol version 1, this side speaks {m.PROTOCOL_VERSION}"):
         decode([msgpack.packb(header)])
 
 

@@ -67,6 +67,6 @@ def test_engine_env_follows_worker_in_engine(monkeypatch):
     monkeypatch.setattr(os, "environ", dict(os.environ))  # engine_env sets other variables too: keep them here
     for value, expected in (("true", "0"), ("false", "1")):
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if expected == "0" else "0")
-        engine_env(load_config(None, [f"actor.worker_in_engine={value}"]))
+        engine_env(load_config(None, [f"actor.worker_in_engine={value}"]), on_cuda=False)
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == expected
     assert load_config(None, ["actor.cpu_bind=auto", "actor.worker_in_engine=false"]).actor.cpu_bind == "auto"

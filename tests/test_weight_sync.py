@@ -30,8 +30,11 @@ class DirectHub:
     def live_actors(self):
         return self.names
 
+    def devices(self, members):
+        return [[""] for _ in members]  # one CPU rank each
+
     def send_weight_sync(self, members, make):
-        self.sent.extend(make(a, rank) for rank, a in enumerate(members, start=1))
+        self.sent.extend(make(a) for a in members)
 
     def add_membership_listener(self, fn):
         pass  # nobody joins or dies here (tests/test_weight_death.py covers that)

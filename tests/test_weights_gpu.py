@@ -1,0 +1,172 @@
+"""The weight path on one GPU: an NCCL weight group of world size 1, and the shared-GPU fallback into a CUDA engine.
+
+NCCL will not put two ranks on one GPU, so a one-GPU machine cannot run a learner and an actor in one
+NCCL group: what runs here is everything else of that path. The learner's buckets on the GPU (live
+views and copies, dtype conversion) broadcast through a real NCCL group of world size 1 (the learner
+alone), and a receive into a CUDA landing buffer through the same group. The `vllm` test is the one-GPU
+deployment itself: learner and engine on the same GPU, where the learner must pick gloo through pinned
+host memory and the engine's worker load it into its CUDA parameters, proven by matching logprobs.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from learner.weight_buckets import Buckets
+from protocol import weights as wg
+from protocol.abortable import Abortable, Graveyard
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda_params(shapes, flat: bool) -> list[torch.Tensor]:
+    """Parameters on the GPU: separate tensors, or views of one buffer (DeepSpeed ZeRO-1/2's layout)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    if not flat:
+        return [torch.randn(s, device=dev) for s in shapes]
+    buf = torch.randn(sum(int(np.prod(s)) for s in shapes), device=dev)
+    out, at = [], 0
+    for s in shapes:
+        n = int(np.prod(s))
+        out.append(buf[at : at + n].view(s))
+        at += n
+    return out
+
+
+def _group(store_port: int = 0):
+    store = wg.open_store("127.0.0.1", store_port, is_master=True, timeout_s=60)
+    local = wg.local_device()
+    return wg.open_group(store, "127.0.0.1", 1, 0, 1, 60, "nccl", wg.group_device("nccl", local)), store
+
+
+@pytest.mark.parametrize("flat, wire", [(True, torch.float32), (False, torch.float32), (True, torch.bfloat16)])
+def test_nccl_world_one_sends_buckets_from_gpu_memory(flat, wire):
+    shapes = [[256, 256], [256], [1024, 64], [7]]
+    params = _cuda_params(shapes, flat)
+    b = Buckets(params, wire, bucket_bytes=300 << 10)
+    assert len(b) > 1
+    group, _store = _group()
+    waits = Abortable(should_abort=lambda: None, timeout_s=60, graveyard=Graveyard())
+    sent = []
+    for i in range(len(b)):
+        live = b.live(i)
+        src = live if live is not None else b.copy(i)
+        assert src.is_cuda and src.dtype == wire  # no trip through the host
+        if flat and wire == torch.float32:
+            assert live is not None and live.data_ptr() == params[b.ranges[i][0]].data_ptr()  # sent in place
+        waits.broadcast(group, src)  # returns once NCCL has run it (a CUDA event, not the enqueue)
+        sent.append(src.clone())
+    for i, flat_sent in enumerate(sent):
+        want = torch.cat([params[j].reshape(-1).to(wire) for j in b.ranges[i]])
+        assert torch.equal(flat_sent, want)
+
+
+def test_receive_buckets_land_in_a_cuda_buffer_with_names_and_dtypes():
+    names = ["embed.weight", "layers.0.w", "layers.0.b", "head.weight"]
+    shapes = [[128, 64], [64, 64], [64], [128, 64]]
+    group, _store = _group()
+    local = wg.local_device()
+    buf = wg.landing_buffer(wg.landing_numel(shapes, torch.bfloat16, 40 << 10), torch.bfloat16, "nccl", local)
+    assert buf.device == local and not buf.is_pinned()
+    waits = Abortable(should_abort=lambda: None, timeout_s=60, graveyard=Graveyard())
+    seen = []
+    for pairs in wg.receive_buckets(group, names, shapes, torch.bfloat16, 40 << 10, buf, bcast=waits.broadcast, backend="nccl", local=local):
+        for name, t in pairs:
+            assert t.device == local and t.dtype == torch.bfloat16
+            assert t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # a view of the one landing buffer
+            seen.append((name, list(t.shape)))
+    assert seen == list(zip(names, shapes, strict=True))
+
+
+def test_device_identity_and_the_shared_gpu_plan():
+    local = wg.local_device()
+    me = wg.device_identity(local)
+    assert me.startswith("cuda:") and len(me) > len("cuda:")
+    assert wg.plan_group(me, [("engine", [me])]).backend == "gloo"  # one GPU: the fallback
+    pinned = wg.landing_buffer(16, torch.float32, "gloo", local)
+    assert pinned.device.type == "cpu" and pinned.is_pinned()
+
+
+@pytest.mark.vllm
+def test_one_gpu_learner_and_engine_sync_through_pinned_host_memory(tmp_path):
+    """Learner and CUDA vLLM engine on the same GPU: the sender picks gloo (the engine registered this GPU),
+    stages its GPU buckets in pinned memory, and the worker's load_weights writes its CUDA parameters in place
+    (CUDA graphs on): afterwards the engine's logprobs are the learner's. fp32 on both sides; the tolerance
+    allows for different attention kernels on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.engine import Engine
+    from deploy.tiny import write_tiny_model
+    from learner.weight_sync import WeightSender
+    from protocol.config import load_config
+
+    path = write_tiny_model(tmp_path / "model", seed=3)
+    cfg = load_config(None, [f"model.path={path}", "actor.device=cuda", "actor.gpu_memory_utilization=0.3", "rollout.temperature=0.7",
+                             "rollout.max_tokens=12", "actor.max_model_len=32", "weights.bucket_mb=1"])
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+
+    async def make():
+        return Engine(cfg)
+
+    engine = loop.run_until_complete(make())
+    try:
+        devices = loop.run_until_complete(engine.devices())
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # CPU: the logprobs to match
+        prompt = np.array([5, 6, 17, 7, 15], dtype=np.int32)
+
+        def mismatch() -> float:
+            """The largest gap between the engine's sampled-token logprobs and the reference's, after temperature."""
+            worst = 0.0
+            for c in loop.run_until_complete(engine.generate_group(prompt, 4)):
+                ids = torch.as_tensor(np.concatenate([prompt, c.token_ids]), dtype=torch.long)[None]
+                with torch.no_grad():
+                    logits = reference(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / cfg.rollout.temperature
+                ours = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0].numpy()
+                worst = max(worst, float(np.abs(ours - c.logprobs).max()))
+            return worst
+
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        assert mismatch() > 0.1, "the perturbation must be visible before the sync"
+        learner = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(wg.local_device())
+        learner.load_state_dict(reference.state_dict())
+        sender = WeightSender.for_params(cfg.weights, list(learner.named_parameters()), "float32")
+        assert devices == [sender.identity]  # the engine's one worker is on the learner's GPU
+
+        class OneEngineHub:
+            def __init__(self):
+                self.sent = []
+
+            def live_actors(self):
+                return ["engine"]
+
+            def devices(self, ids):
+                return [devices for _ in ids]
+
+            def send_weight_sync(self, members, make):
+                self.sent.extend(make(a) for a in members)
+
+            def add_membership_listener(self, fn):
+                pass
+
+            def evict(self, actor_id, why):
+                raise AssertionError(f"{actor_id} evicted: {why}")
+
+        hub = OneEngineHub()
+        sender.sync(1, hub)
+        (msg,) = hub.sent
+        assert msg.backend == "gloo" and (msg.rank, msg.ranks, msg.world_size) == (1, 1, 2)
+        info = loop.run_until_complete(engine.apply_weights(msg))
+        done = sender.wait()
+        assert "error" not in info and "weights/failed" not in done, (info, done)
+        assert mismatch() < 2e-3
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0.5))
+        loop.close()

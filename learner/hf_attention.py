@@ -14,17 +14,16 @@ implementation with no entry in AttentionMaskInterface, and we register none
 (tests/test_packing.py checks it). Without `cu_seq_lens_q`, "fleetrl_varlen" treats
 each row as one causal sequence, which is also exact for the real tokens of a
 right-padded batch (pads only follow them); left padding would be wrong and is
-never produced here.
+never produced here. Both branches keep SDPA off cuDNN on CUDA (learner/varlen_attention.py).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from learner.ring_attention import ring_attention
-from learner.varlen_attention import varlen_causal_attention
+from learner.varlen_attention import dense_causal_attention, varlen_causal_attention
 
 VARLEN = "fleetrl_varlen"
 RING = "fleetrl_ring"
@@ -42,9 +41,7 @@ def varlen_attention_forward(
     assert attention_mask is None, f"{VARLEN} has no mask function, so transformers must not build a mask"
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:  # each row is one causal sequence
-        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
-                                             scale=_scale(query, scaling), enable_gqa=query.shape[1] != key.shape[1])
-        return out.transpose(1, 2), None
+        return dense_causal_attention(query, key, value, _scale(query, scaling), dropout), None
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN}: a packed batch is one row, got batch size {query.shape[0]}")
     max_seqlen = kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

@@ -1,0 +1,295 @@
+"""Which attention kernel runs where, and the CUDA kernels' plumbing checked on CPU.
+
+The CUDA kernels cannot run here, so their callers are driven with stand-ins of the
+same signatures that compute the documented semantics in float64: torch's varlen_attn
+([total, heads, dim] tensors) and aten's flash forward/backward (lse [heads, total_q],
+the backward taking a given out and lse). What these tests check is our side: layouts,
+cu_seqlens, GQA heads, which out/lse the backward gets, the ring's folding. The kernels
+themselves are checked against references in tests/test_gpu_attention.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import learner.varlen_attention as va
+from learner.ring_attention import FlashBlocks, MatmulBlocks, RingContext, ring_blocks_attention
+from protocol.net import free_port
+
+BF16 = torch.bfloat16
+
+
+# -- the choice ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,flash_attn,torch_varlen",
+                         list(itertools.product(["cpu", "cuda"], [True, False], [True, False])))
+def test_kernel_choice(device, flash_attn, torch_varlen):
+    got = va.choose_kernel(device, BF16, False, flash_attn=flash_attn, torch_varlen=torch_varlen)
+    if device == "cpu":
+        want = "sdpa_split"
+    elif flash_attn:
+        want = "flash_attn"
+    elif torch_varlen:
+        want = "torch_varlen"
+    else:
+        want = "sdpa_no_cudnn"
+    assert got == want
+
+
+def test_kernel_choice_outside_the_flash_kernels_reach():
+    # fp32 on CUDA: no flash kernel takes it, and cuDNN stays off
+    for flash_attn, torch_varlen in itertools.product([True, False], repeat=2):
+        assert va.choose_kernel("cuda", torch.float32, False, flash_attn=flash_attn,
+                                torch_varlen=torch_varlen) == "sdpa_no_cudnn"
+    # torch's varlen_attn has no dropout; flash-attn's has
+    assert va.choose_kernel("cuda", BF16, True, flash_attn=False, torch_varlen=True) == "sdpa_no_cudnn"
+    assert va.choose_kernel("cuda", BF16, True, flash_attn=True, torch_varlen=True) == "flash_attn"
+    assert va.kernel_for("cpu", torch.float32, False) == "sdpa_split"
+
+
+def test_no_cudnn_context_and_global_switch():
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with va.no_cudnn(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch._C._get_sdp_priority_order()[0] == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    try:
+        va.disable_cudnn_sdpa()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+# -- torch's varlen_attn: keywords by signature, plumbing with a stand-in -----------------------------------
+
+def _varlen_math(q, k, v, cu_q, cu_k, scale, causal):
+    """[total, H, D] x [total, Hkv, D] per sequence, by SDPA on CPU."""
+    bounds = cu_q.tolist()
+    assert bounds == cu_k.tolist()
+    parts = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        out = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=causal,
+                                             scale=scale, enable_gqa=True)
+        parts.append(out[0].transpose(0, 1))
+    return torch.cat(parts)
+
+
+def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1)):
+    assert query.dim() == 3 and key.shape[1] <= query.shape[1] and max_q == max_k
+    assert max_q == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
+    return _varlen_math(query, key, value, cu_seq_q, cu_seq_k, scale, window_size == (-1, 0))
+
+
+def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    if not enable_gqa and query.shape[1] != key.shape[1]:
+        raise ValueError("Try setting enable_gqa=True for GQA.")
+    return varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
+
+
+def test_varlen_call_reads_each_signature():
+    old = va.varlen_call(varlen_2_11)
+    assert old is not None and old.kwargs(0.5, True) == {"window_size": (-1, 0), "scale": 0.5}
+    new = va.varlen_call(varlen_2_13)
+    assert new is not None and new.kwargs(0.5, True) == {"window_size": (-1, 0), "scale": 0.5, "enable_gqa": True}
+    assert new.kwargs(0.5, False)["enable_gqa"] is False
+
+    def is_causal_style(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None):
+        raise AssertionError("only read, never called")
+
+    def no_scale(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+        raise AssertionError("only read, never called")
+
+    causal_kw = va.varlen_call(is_causal_style)
+    assert causal_kw is not None and causal_kw.kwargs(1.0, True) == {"is_causal": True, "scale": 1.0}
+    assert va.varlen_call(no_scale) is None  # a default scale we cannot override would be wrong for some models
+    assert va.varlen_call(None) is None
+    if va.varlen_attn is not None:  # the installed torch: whatever it is, it must be readable
+        assert va.TORCH_VARLEN is not None, inspect.signature(va.varlen_attn)
+
+
+def _packed(heads, kv_heads, lengths, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(1, heads, total, 16, generator=gen, dtype=dtype)
+    k, v = (torch.randn(1, kv_heads, total, 16, generator=gen, dtype=dtype) for _ in range(2))
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("fake", [varlen_2_11, varlen_2_13])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_torch_varlen_path_matches_per_sample_sdpa(monkeypatch, fake, heads, kv_heads):
+    monkeypatch.setattr(va, "varlen_attn", fake)
+    monkeypatch.setattr(va, "TORCH_VARLEN", va.varlen_call(fake))
+    lengths = [5, 1, 9, 3]
+    results = []
+    for kernel in ("torch_varlen", "sdpa_split"):
+        q, k, v, cu = (t.requires_grad_(t.is_floating_point()) for t in _packed(heads, kv_heads, lengths))
+        out = va.KERNELS[kernel](q, k, v, cu, max(lengths), 0.3, 0.0)
+        assert out.shape == (1, sum(lengths), heads, 16)
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape))
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_varlen_path_keeps_samples_apart():
+    """The CPU kernel's numbers against dense masked attention over the row (so a mask leak would show)."""
+    lengths = [4, 7, 1, 5]
+    q, k, v, cu = _packed(6, 2, lengths, seed=3)
+    got = va.varlen_causal_attention(q, k, v, cu, max(lengths), 0.25)
+    torch.testing.assert_close(got.transpose(1, 2), _dense_reference(q, k, v, cu, 0.25), rtol=1e-12, atol=1e-12)
+
+
+def _dense_reference(q, k, v, cu, scale):
+    """[1, H, N, D] -> [1, H, N, D]: causal and only within a packed sample, over the whole row."""
+    n = q.shape[2]
+    segment = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long())
+    index = torch.arange(n)
+    allowed = (segment[:, None] == segment[None, :]) & (index[:, None] >= index[None, :])
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+
+# -- the ring's flash blocks, driven through stand-ins of aten's flash ops -----------------------------------
+
+def _segment_scores(q, k, scale, causal):
+    """q [Lq, H, D], k [Lk, Hkv, D] -> scores [H, Lq, Lk] (KV head h // group for query head h), k expanded."""
+    kk = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    if causal:  # bottom-right aligned, as flash-attn
+        lq, lk = q.shape[0], k.shape[0]
+        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool).triu(lk - lq + 1), float("-inf"))
+    return s, kk
+
+
+def _segments(cu_q, cu_k, max_q, max_k, total_q, total_k):
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and len(bq) == len(bk) and bq[0] == bk[0] == 0
+    assert (bq[-1], bk[-1]) == (total_q, total_k), "cu_seqlens must end at the tensors' lengths"
+    assert max_q == max(np.diff(bq)) and max_k == max(np.diff(bk))
+    return list(zip(bq, bq[1:], bk, bk[1:], strict=False))
+
+
+def fake_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale):
+    """out in q's dtype and lse in float32 (float64 for float64 inputs), as the kernel; the math in float64."""
+    assert all(t.dim() == 3 and t.stride(-1) == 1 for t in (q, k, v)) and dropout_p == 0.0 and not return_debug_mask
+    segments = _segments(cu_q, cu_k, max_q, max_k, q.shape[0], k.shape[0])
+    q, k, v, dtype = q.double(), k.double(), v.double(), q.dtype
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=q.dtype)  # [H, total_q]
+    for a, b, c, d in segments:
+        s, _ = _segment_scores(q[a:b], k[c:d], scale, is_causal)
+        lse[:, a:b] = torch.logsumexp(s, -1)
+        out[a:b] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[c:d].repeat_interleave(s.shape[0] // v.shape[1], 1))
+    lse_dtype = torch.promote_types(dtype, torch.float32)
+    return out.to(dtype), lse.to(lse_dtype), torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
+
+
+def fake_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng_state, unused,
+                        *, scale):
+    """Gradients under the GIVEN out and lse, in q's dtype; GQA's dK/dV summed over each group."""
+    assert out.shape == dout.shape == q.shape and out.dtype == dout.dtype == q.dtype, "out/dout as q: [total_q, H, D]"
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous(), "lse: contiguous [H, total_q]"
+    assert lse.dtype == torch.promote_types(q.dtype, torch.float32)
+    segments = _segments(cu_q, cu_k, max_q, max_k, q.shape[0], k.shape[0])
+    dtype = q.dtype
+    dout, q, k, v, out, lse = (t.double() for t in (dout, q, k, v, out, lse))
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    group = q.shape[1] // k.shape[1]
+    for a, b, c, d in segments:
+        s, kk = _segment_scores(q[a:b], k[c:d], scale, is_causal)
+        vv = v[c:d].repeat_interleave(group, 1)
+        p = torch.exp(s - lse[:, a:b, None])
+        delta = (dout[a:b] * out[a:b]).sum(-1).T
+        ds = p * (torch.einsum("qhd,khd->hqk", dout[a:b], vv) - delta[..., None])
+        dq[a:b] = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+        dkk = torch.einsum("hqk,qhd->khd", ds, q[a:b]) * scale
+        dvv = torch.einsum("hqk,qhd->khd", p, dout[a:b])
+        dk[c:d] = dkk.reshape(d - c, k.shape[1], group, -1).sum(2)
+        dv[c:d] = dvv.reshape(d - c, k.shape[1], group, -1).sum(2)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
+def _rel_err(got, want):
+    return float((got.detach().double() - want.double()).norm() / want.double().norm())
+
+
+# (lengths, heads, kv heads): boundaries inside chunks, one sample over every chunk, 1-token samples and
+# a 1-row rectangle, a sample over two chunks; GQA and MHA
+RING_CASES = [([5, 7, 4, 8], 4, 2), ([24], 4, 1), ([1, 2, 3, 1, 4, 5, 2, 6], 2, 2), ([13, 3, 4, 4], 6, 3),
+              ([11, 2, 11], 6, 2)]
+
+
+def _ring_case(rank, world, lengths, heads, kv_heads, group):
+    q, k, v, cu = _packed(heads, kv_heads, lengths, seed=sum(lengths) + heads)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=q.dtype)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = _dense_reference(*full, cu, 0.25)
+    ref.backward(dout)
+    n = sum(lengths) // world
+    mine = slice(rank * n, (rank + 1) * n)
+    ring = RingContext(group=group, cu_seqlens=cu)
+    for blocks in (MatmulBlocks(0.25), FlashBlocks(0.25, ring.block_cu, fwd=fake_flash_forward, bwd=fake_flash_backward)):
+        local = [t[:, :, mine].clone().requires_grad_(True) for t in (q, k, v)]
+        out = ring_blocks_attention(*local, ring, blocks)  # [1, n, H, D]
+        out.backward(dout[:, :, mine].transpose(1, 2))
+        tol = dict(rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(out.transpose(1, 2), ref[:, :, mine].detach(), **tol)
+        kind = type(blocks).__name__
+        for name, loc, ful in zip("qkv", local, full, strict=True):
+            torch.testing.assert_close(loc.grad, ful.grad[:, :, mine], **tol,
+                                       msg=lambda m, x=f"d{name} {lengths} {kind}": f"{x}: {m}")
+    # bf16, as on the GPU: the backward must get the out it returned (bf16) and a float32 lse
+    local = [t[:, :, mine].to(BF16).requires_grad_(True) for t in (q, k, v)]
+    blocks = FlashBlocks(0.25, ring.block_cu, fwd=fake_flash_forward, bwd=fake_flash_backward)
+    out = ring_blocks_attention(*local, ring, blocks)
+    assert out.dtype == BF16
+    out.backward(dout[:, :, mine].transpose(1, 2).to(BF16))
+    assert _rel_err(out.transpose(1, 2), ref[:, :, mine].detach()) < 1e-2
+    for name, loc, ful in zip("qkv", local, full, strict=True):
+        assert _rel_err(loc.grad, ful.grad[:, :, mine]) < 2e-2, (name, lengths)
+
+
+def _ring_worker(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for lengths, heads, kv_heads in RING_CASES:
+        _ring_case(rank, world, lengths, heads, kv_heads, dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_flash_blocks_ring_matches_dense_on_cpu(world):
+    """FlashBlocks' plumbing (stand-in kernels) and MatmulBlocks give the dense numbers over real gloo rings."""
+    mp.spawn(_ring_worker, args=(world, free_port()), nprocs=world, join=True)
+
+
+def test_ring_of_one_needs_no_neighbour():
+    """A group of one (the one-GPU test's setting): the own chunk is the whole row, no send to itself."""
+    store = dist.HashStore()
+    group_started = not dist.is_initialized()
+    if group_started:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        pytest.skip("a process group of another size is already running in this process")
+    try:
+        for lengths, heads, kv_heads in RING_CASES:
+            _ring_case(0, 1, lengths, heads, kv_heads, dist.group.WORLD)
+    finally:
+        if group_started:
+            dist.destroy_process_group()

@@ -153,7 +153,8 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                           params=None if sharded else [p for _, p in trainer.named_parameters()], device=topo.device)
     if not sharded:
         sender.guard(trainer.engine.optimizer)
-    snapshot = (lambda out: trainer.snapshot(sender.ranges, sender.torch_dtype, out)) if sharded else None
+    host = cfg.weights.snapshot == "host"
+    snapshot = (lambda out: trainer.snapshot(sender.ranges, sender.torch_dtype, out, host)) if sharded else None
     # Collective under ZeRO-3 (the followers join it at start). A resumed learner's actors come back serving -1
     # and get no work until they serve `version`: it is sent to each as it registers.
     sender.start(version, hub, snapshot)

@@ -33,8 +33,10 @@ Semantics (issue #3):
 - Activations per learner GPU: one micro-batch's training working set, estimated from the architecture and
   the tokens a micro-batch puts on one GPU (the budget, or micro_batch_samples x actor.max_model_len / SP):
   learner/memory.py says what is counted. The policy's and the critic's are never alive at once.
-  The run fits when model states + activations stay within FIT_SHARE of cluster.gpu_memory_gib: the rest is
-  for the CUDA context, NCCL's buffers and the allocator's fragmentation.
+  Under ZeRO-3 rank 0 also keeps the full weights it serves the actors (weights.snapshot = "device": model.dtype
+  bytes per parameter on its GPU; "host": none there). The run fits when the busiest GPU's model states +
+  activations + snapshot stay within FIT_SHARE of cluster.gpu_memory_gib: the rest is for the CUDA context,
+  NCCL's buffers and the allocator's fragmentation.
 """
 
 from __future__ import annotations
@@ -126,13 +128,14 @@ class Plan:
     activations: Activations | None  # one micro-batch's working set per GPU (None: architecture unknown)
     arch_source: str
     gpu_memory: float  # bytes of one learner GPU (cluster.gpu_memory_gib)
+    snapshot_bytes: float  # rank 0's full copy of the weights on its GPU (ZeRO-3, weights.snapshot = "device"), else 0
 
     @property
     def peak_bytes(self) -> float | None:
-        """Model states + one micro-batch's activations on one learner GPU."""
+        """Model states + one micro-batch's activations + the weight snapshot on the busiest learner GPU (rank 0)."""
         if self.gpu_bytes is None or self.activations is None:
             return None
-        return self.gpu_bytes + self.activations.total
+        return self.gpu_bytes + self.activations.total + self.snapshot_bytes
 
     @property
     def fits(self) -> bool | None:
@@ -315,6 +318,8 @@ def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
         num_params=n_params, params_source=params_source, dtype=cfg.model.dtype, zero_stage=t.zero_stage,
         memory=memory, gpu_bytes=gpu_bytes, checkpointing=t.gradient_checkpointing, activations=activations,
         arch_source=arch_source, gpu_memory=c.gpu_memory_gib * GIB,
+        snapshot_bytes=float((n_params or 0) * DTYPE_BYTES[cfg.model.dtype])
+        if t.zero_stage == 3 and cfg.weights.snapshot == "device" else 0.0,
     )
 
 
@@ -398,6 +403,9 @@ def render(plan: Plan) -> str:
         memory.append(("activations", _gib(a.total), f"= layers {_gib(a.layers)} + lm_head {_gib(a.head)}"
                        + (f" + ZeRO-3 gathered {_gib(a.gathered)}" if a.gathered else "")
                        + f" ({a.tokens:,} tokens per micro-batch, {how})"))
+    if p.snapshot_bytes:
+        memory.append(("weight snapshot", _gib(p.snapshot_bytes), "rank 0 only: the full weights it serves the actors "
+                       "(ZeRO-3, weights.snapshot = device)"))
     if p.peak_bytes is not None:
         verdict = "fits" if p.fits else "DOES NOT FIT"
         memory.append(("per GPU", _gib(p.peak_bytes), f"{verdict}: {FIT_SHARE:.0%} of {_gib(p.gpu_memory)} "

@@ -37,6 +37,7 @@ from learner.plan import Plan
 from learner.scoring import install_scoring_head, score_tokens
 from learner.sequence_parallel import SequenceShard
 from learner.shard import Share, split_rollout_batch
+from learner.varlen_attention import disable_cudnn_sdpa
 from protocol.config import Config, ConfigError, TrainConfig
 from protocol.messages import RolloutGroup
 
@@ -138,6 +139,8 @@ class Trainer:
         self.attention = attention_implementation(cfg.train)
         self.build = micro_batch_layout(cfg.train, topo.sp_group)
         model.set_attn_implementation(self.attention)  # type: ignore[operator]
+        if topo.device.type == "cuda":
+            disable_cudnn_sdpa()
         self.head = install_scoring_head(model)
         if cfg.train.gradient_checkpointing:
             _checkpoint_layers(model)
@@ -180,25 +183,32 @@ class Trainer:
         else:
             yield
 
-    def snapshot(self, buckets: list[range], dtype: torch.dtype, out: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    def snapshot(self, buckets: list[range], dtype: torch.dtype, out: list[torch.Tensor] | None,
+                 host: bool = False) -> list[torch.Tensor] | None:
         """Collective: rank 0 copies the weights into one flat tensor per bucket (reusing `out`); others join the gathers.
 
         The buffers are on this rank's device, so on GPUs the weight group sends from GPU memory with no trip
-        through the host (learner/weight_sync.py). ZeRO-3 gathers one bucket at a time: no rank holds more than
-        a bucket of full parameters beyond its shard, but rank 0 keeps the whole snapshot, a full copy of the
-        weights in its device memory, until the next sync.
+        through the host (learner/weight_sync.py); `host` keeps them in pinned host memory instead (a model whose
+        full weights do not fit beside training). ZeRO-3 gathers one bucket at a time: no rank holds more than a
+        bucket of full parameters beyond its shard, but rank 0 keeps the whole snapshot until the next sync.
         """
         params = [p for _, p in self.named_parameters()]
         shapes = self.full_shapes()
-        device = self.topo.device
+        device = torch.device("cpu") if host else self.topo.device
         if self.topo.is_root and out is None:
-            out = [torch.empty(sum(int(np.prod(shapes[i])) for i in b), dtype=dtype, device=device) for b in buckets]
+            pin = device.type == "cpu" and self.topo.device.type == "cuda"
+            out = [torch.empty(sum(int(np.prod(shapes[i])) for i in b), dtype=dtype, device=device, pin_memory=pin)
+                   for b in buckets]
         for k, bucket in enumerate(buckets):
             chunk = [params[i] for i in bucket]
             with self.gathered(chunk), torch.no_grad():
                 if self.topo.is_root:
                     assert out is not None and out[k].device == device, f"snapshot buffer {k} not on {device}"
-                    torch.cat([p.detach().reshape(-1).to(dtype) for p in chunk], out=out[k])
+                    flat = [p.detach().reshape(-1).to(dtype) for p in chunk]
+                    if flat[0].device == device:
+                        torch.cat(flat, out=out[k])
+                    else:  # to host memory: one device-to-host copy per bucket
+                        out[k].copy_(torch.cat(flat))
         return out if self.topo.is_root else None
 
     def update(self, share: Share) -> UpdateStats:

@@ -11,8 +11,8 @@ On the learner a bucket is broadcast from one of two places:
   memory, else one copy per parameter (a plain model, ZeRO-3, another dtype).
 
 Both are on the parameters' device: on GPUs NCCL sends straight from GPU memory. Only a gloo
-epoch beside a GPU (the shared-GPU fallback, protocol/weights.py) goes through host memory,
-one bucket at a time (`HostStaging`).
+epoch beside a GPU (the shared-GPU fallback, protocol/weights.py), or a ZeRO-3 snapshot kept in
+host memory, crosses the PCIe bus, one bucket at a time (`Staging`).
 
 Copies use numpy on CPU: one memcpy on the calling thread. torch's `copy_` splits the
 work across its OpenMP pool, and on a shared CPU one descheduled worker stalls the
@@ -109,28 +109,30 @@ class Buckets:
             bcast(group, flat)
 
 
-class HostStaging:
-    """One reused pinned host buffer that a gloo epoch sends GPU buckets from.
+class Staging:
+    """One reused buffer that an epoch sends buckets from when they sit on the other side of the PCIe bus.
 
-    Pinned: the device-to-host copy is one DMA (pageable memory would be staged by the driver
-    in chunks). One buffer, not one per bucket: each broadcast has ended before the next bucket
-    is copied in (the waits are on the host), so the fallback holds a bucket, not the model, in
-    host memory.
+    - a gloo epoch beside a GPU (the shared-GPU fallback): GPU buckets are copied to pinned host memory;
+    - an NCCL epoch with a snapshot kept in host memory (`weights.snapshot = "host"`, ZeRO-3): host buckets
+      are copied to the GPU.
+    Pinned host memory: the copy is one DMA (pageable memory would be staged by the driver in chunks).
+    One buffer, not one per bucket: each broadcast has ended before the next bucket is copied in (the
+    waits are on the host, protocol/abortable.py), so staging holds a bucket, not the model.
     """
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
 
     def to(self, device: torch.device, flat: torch.Tensor) -> torch.Tensor:
-        """`flat` where a group on `device` sends from: itself, or its copy in the host buffer."""
+        """`flat` where a group on `device` sends from: itself, or its copy in the staging buffer."""
         if flat.device == device:
             return flat
-        assert device.type == "cpu" and flat.is_cuda, f"a bucket on {flat.device} for a group on {device}"
         buf = self._buf
-        if buf is None or buf.dtype != flat.dtype or buf.numel() < flat.numel():
-            buf = self._buf = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+        if buf is None or buf.device != device or buf.dtype != flat.dtype or buf.numel() < flat.numel():
+            pin = device.type == "cpu"  # only ever reached beside a GPU (one side of the copy is CUDA)
+            buf = self._buf = torch.empty(flat.numel(), dtype=flat.dtype, device=device, pin_memory=pin)
         out = buf[: flat.numel()]
-        out.copy_(flat)  # blocking: gloo reads it on its own threads as soon as the broadcast starts
+        out.copy_(flat)  # blocking to the host: gloo reads it on its own threads as soon as the broadcast starts
         return out
 
     def drop(self) -> None:

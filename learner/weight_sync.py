@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from learner.hub import Hub
-from learner.weight_buckets import Buckets, HostStaging
+from learner.weight_buckets import Buckets, Staging
 from protocol import messages as m
 from protocol import weights as wg
 from protocol.abortable import Abortable, Aborted, Graveyard, abort_key, joined_key
@@ -111,7 +111,7 @@ class WeightSender:
         self.identity = wg.device_identity(self.device)  # what plan_group compares with the members' devices
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None  # recorded on the training stream at sync: what the serving stream waits for
-        self._staging = HostStaging()  # gloo epochs' host copies of GPU buckets (the shared-GPU fallback)
+        self._staging = Staging()  # buckets copied across the PCIe bus: GPU -> host for gloo, host -> GPU for NCCL
         self._flats: list[torch.Tensor] | None = None  # the last given snapshot (ZeRO-3)
         self.store = wg.open_store(cfg.host, cfg.port, is_master=True, timeout_s=cfg.timeout_s)
         self.port = self.store.port
@@ -372,7 +372,7 @@ class WeightSender:
                 on = wg.group_device(att.plan.backend, self.device)
 
                 def send(g: dist.ProcessGroup, flat: torch.Tensor) -> None:
-                    waits.broadcast(g, self._staging.to(on, flat))  # the same tensor unless gloo meets a GPU bucket
+                    waits.broadcast(g, self._staging.to(on, flat))  # the same tensor unless the bucket is on the other side
 
                 if self.buckets is None:
                     assert flats is not None

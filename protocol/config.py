@@ -151,6 +151,10 @@ class WeightsConfig:
     port: int = 0  # rendezvous port; 0 picks a free one
     bucket_mb: int = 32  # flat bucket size for the broadcast
     timeout_s: float = 120.0  # a broadcast blocked this long (dead member) fails
+    # ZeRO-3: where learner rank 0 keeps the full weights it serves between syncs. "device": its GPU, sent from
+    # there; "host": pinned host memory, copied to the GPU a bucket at a time to send (for models whose full
+    # weights do not fit beside training: 32B in bf16 is 64 GB). `fleetrl plan` counts the "device" copy.
+    snapshot: str = "device"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -344,6 +348,7 @@ def _check(cfg: Config) -> None:
     need(cfg.hub.bind.startswith("tcp://"), "hub.bind", "must be tcp://HOST:PORT")
     need(cfg.hub.hwm >= 1, "hub.hwm", "must be >= 1")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
+    need(cfg.weights.snapshot in ("device", "host"), "weights.snapshot", f"{cfg.weights.snapshot!r} must be device or host")
     _check_auth(cfg, need)
     need(cfg.actor.max_model_len > cfg.rollout.max_tokens, "actor.max_model_len", "must exceed rollout.max_tokens")
     need(cfg.actor.max_groups >= 1, "actor.max_groups", "must be >= 1")

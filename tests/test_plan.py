@@ -302,3 +302,15 @@ def test_arch_file_counts_parameters():
     assert p.num_params == 1_543_714_304 and p.params_source.endswith("qwen2.5-1.5b.json")
     unknown = make_plan(load_config(CONFIGS / "orz_1p5b_ppo.toml", ["model.arch="]))
     assert unknown.activations is None and "activations" in render(unknown) and unknown.fits is None
+
+
+def test_zero3_snapshot_counts_on_rank_0_unless_kept_on_the_host():
+    """Rank 0 serves the actors from a full copy of the weights under ZeRO-3: 61 GiB for 32B in bf16, which does not
+    fit beside training, so that recipe keeps it in host memory."""
+    device = plan_of("orz_32b_ppo.toml", "weights.snapshot=device")
+    host = plan_of("orz_32b_ppo.toml")
+    assert device.snapshot_bytes == 32_763_876_352 * 2 and device.fits is False
+    assert host.snapshot_bytes == 0 and host.fits
+    assert "weight snapshot" in render(device) and "weight snapshot" not in render(host)
+    assert plan_of("orz_7b_ppo.toml").snapshot_bytes == 7_615_616_512 * 2
+    assert plan_of("orz_7b_ppo.toml", "train.zero_stage=2").snapshot_bytes == 0  # ZeRO-2 serves from the parameters

@@ -170,3 +170,24 @@ def test_one_gpu_learner_and_engine_sync_through_pinned_host_memory(tmp_path):
         engine.shutdown()
         loop.run_until_complete(asyncio.sleep(0.5))
         loop.close()
+
+
+@pytest.mark.parametrize("to_host", [False, True])
+def test_staging_crosses_the_bus_in_one_reused_buffer(to_host):
+    """A host snapshot bucket (weights.snapshot = host) reaches an NCCL group as a GPU copy; a GPU bucket reaches a
+    gloo group (the shared-GPU fallback) as a pinned host copy. One buffer serves every bucket."""
+    from learner.weight_buckets import Staging
+
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    src_dev, dst_dev = (cuda, torch.device("cpu")) if to_host else (torch.device("cpu"), cuda)
+    staging = Staging()
+    a = torch.randn(1000, device=src_dev)
+    b = torch.randn(600, device=src_dev)
+    out_a = staging.to(dst_dev, a)
+    assert out_a.device == dst_dev and torch.equal(out_a.cpu(), a.cpu())
+    assert out_a.is_pinned() == to_host
+    ptr = out_a.data_ptr()
+    out_b = staging.to(dst_dev, b)
+    assert out_b.data_ptr() == ptr and torch.equal(out_b.cpu(), b.cpu())  # reused, smaller bucket
+    same = torch.randn(10, device=dst_dev)
+    assert staging.to(dst_dev, same) is same  # already where the group sends from: no copy

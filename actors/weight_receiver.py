@@ -67,7 +67,7 @@ class WeightReceiver:
                 self.buffer = buf = None  # freed before the new one is made: both may not fit on the GPU
                 self.buffer = wg.landing_buffer(need, dtype, backend, self.local)
             for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], dtype, sync["bucket_bytes"], self.buffer,
-                                            bcast=waits.broadcast):
+                                            bcast=waits.broadcast, backend=backend, local=self.local):
                 load(pairs)  # on CUDA its copies are queued on the current stream; NCCL's next write waits for them
                 loaded += 1
             if self.local.type == "cuda":

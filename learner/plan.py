@@ -25,7 +25,7 @@ Semantics (issue #3):
 - Generation: actor engines = actor_nodes x actor_gpus_per_node / tensor_parallel_size (whole).
 - Memory per learner GPU. Colocated (cluster.colocate): the policy, the critic (algo.advantage = gae) and the
   reference (algo.kl_coef > 0 or algo.keep_reference) share the R learner GPUs, as in Open-Reasoner-Zero; otherwise each gets its own R
-  GPUs. Parameters and gradients take model.dtype's bytes. Adam keeps two fp32 moments, plus an fp32 master copy
+  GPUs. Parameters take model.dtype's bytes, gradients fp32's (accumulated over micro-batches in fp32). Adam keeps two fp32 moments, plus an fp32 master copy
   when training in bf16 (DeepSpeed's mixed precision: the ZeRO paper's 12 bytes per parameter). ZeRO partitions
   over all R learner ranks (sequence-parallel ranks included, as DeepSpeed's sequence-data-parallel group does):
   stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the parameters. The reference holds
@@ -220,7 +220,8 @@ def model_memory(name: str, n: int, dtype: str, stage: int, shards: int, trained
     if not trained:  # the frozen reference: weights only
         return ModelMemory(name=name, params=params, grads=0.0, optimizer=0.0)
     adam = 8 + (4 if b < 4 else 0)  # m and v in fp32, plus the fp32 master weights under bf16
-    return ModelMemory(name=name, params=params, grads=n * b / (shards if stage >= 2 else 1),
+    grad = 4  # accumulated in fp32 whatever the training dtype (learner/trainer.py: grad_accum_dtype)
+    return ModelMemory(name=name, params=params, grads=n * grad / (shards if stage >= 2 else 1),
                        optimizer=n * adam / (shards if stage >= 1 else 1))
 
 

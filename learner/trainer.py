@@ -20,6 +20,7 @@ stays on the device; one all-reduce per update brings the metrics home.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -85,6 +86,9 @@ def deepspeed_config(cfg: Config, layout: StepLayout, lr: float, cuda: bool) -> 
         },
         "zero_optimization": {"stage": cfg.train.zero_stage, **_sp_zero3_fix(cfg)},
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        # Micro-batch gradients summed in fp32: left to DeepSpeed's default (the model's dtype), every micro-batch
+        # of a token-budget step would round the running sum to bf16, and a small one would vanish in it.
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg.model.dtype == "bfloat16" else {}),
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -219,16 +223,27 @@ class Trainer:
                 f"sample of version {s.version_min} in update {version} -> {version + steps} breaks max_staleness={max_staleness}")
         chunks = _micro_chunks(share)
         assert len(chunks) == self.layout.mini_batches, f"{len(chunks)} mini-batches in the share, {self.layout} expected"
-        # Micro-batches are built once; mini-batch j holds micro[j], its token count is share.mini_batch_tokens[j].
-        micro_batches = [[self.build(c, version) for c in mini] for mini in chunks]
-        extras = [[self._prepare(mb) for mb in mbs] for mbs in micro_batches]
+        # Micro-batches are built once, on the host, then copied to the device once (no stream sync per copy);
+        # mini-batch j holds micro_batches[j], its token count is share.mini_batch_tokens[j].
+        built = [[self.build(c, version) for c in mini] for mini in chunks]
+        # The counts that need no GPU: packing efficiency (positions holding a sample's token / positions run;
+        # SP chunks add up), scored tokens, on-policy tokens (the mismatch is taken at the first step only).
+        host = np.zeros(len(_HOST_SUMS))
+        for j, mbs in enumerate(built):
+            for mb in mbs:
+                host += [int(mb.on_policy.sum()) if j == 0 else 0, len(mb.targets), _useful_tokens(mb),
+                         mb.model_kwargs()["input_ids"].numel(), 0]
+        host *= [1, self.layout.ppo_epochs, self.layout.ppo_epochs, self.layout.ppo_epochs, 0]
         # What right-padded rows would have processed for the same micro-batches (counted once per SP group).
-        padded = sum(len(c) * max(len(x.tokens) for x in c) for mini in chunks for c in mini) if self.topo.sp_rank == 0 else 0
+        if self.topo.sp_rank == 0:
+            host[-1] = self.layout.ppo_epochs * sum(len(c) * max(len(x.tokens) for x in c) for mini in chunks for c in mini)
+        micro_batches = [[_to_device(mb, self.topo.device) for mb in mbs] for mbs in built]
+        extras = [[self._prepare(mb) for mb in mbs] for mbs in micro_batches]
         # The loss is a sum over ranks' tokens; DeepSpeed sums SP peers' gradients and averages the DP replicas.
         scale = float(self.topo.dp_size)
         self.engine.train()
         steps_before = self.engine.global_steps
-        sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.topo.device)
+        sums = torch.zeros(len(_DEVICE_SUMS), dtype=torch.float64, device=self.topo.device)
         for epoch in range(self.layout.ppo_epochs):
             for j in range(self.layout.mini_batches):
                 last = len(micro_batches[j]) - 1
@@ -239,10 +254,10 @@ class Trainer:
                             engine.set_gradient_accumulation_boundary(i == last)
                     sums += self._micro_step(mb, extra, share.mini_batch_tokens[j], scale, first_step=epoch == 0 and j == 0)
         assert self.engine.global_steps == steps_before + steps, "DeepSpeed did not take exactly S optimizer steps"
-        sums[_SUMS.index("padded")] = padded * self.layout.ppo_epochs
+        sums = torch.cat([torch.from_numpy(host).to(sums.device), sums])
         if self.topo.world > 1:
             dist.all_reduce(sums)
-        total: dict[str, float] = dict(zip(_SUMS, sums.tolist(), strict=True))
+        total: dict[str, float] = dict(zip(_HOST_SUMS + _DEVICE_SUMS, sums.tolist(), strict=True))
         tokens, on_policy = total["tokens"], total["on_policy"]
         grad_norm = self.engine.get_global_grad_norm()
         metrics = {k: total[k] / tokens for k in ("loss/kl", "loss/entropy", "loss/iw_mean", "loss/value_clip_frac") if tokens}
@@ -296,16 +311,12 @@ class Trainer:
         # DeepSpeed counts micro-steps: step() after every backward, the optimizer runs at the boundary.
         self.engine.step()
         n = len(logp)
-        # Sums stay on the device (no sync per micro-batch); update() brings them home once.
-        row: dict[str, float | torch.Tensor] = dict.fromkeys(_SUMS, 0.0)
-        ids = mb.model_kwargs()["input_ids"]
-        # Packing efficiency: token positions with a sample in them / positions the model ran (SP chunks add up).
-        row.update(processed=ids.numel(), useful=float(_useful_tokens(mb)), tokens=n)
+        # These sums stay on the device (no sync per micro-batch); update() brings them home once.
+        row: dict[str, torch.Tensor] = {}
         if n:  # an SP rank may score no token (clip_frac of nothing is nan); it still ran forward and backward for its peers
             row.update(loss=out.loss.detach(), clipped=out.clip_frac * n)
         if first_step:
-            on = mb.on_policy.to(dev)
-            row.update(mismatch=torch.where(on, (logp.detach() - behaviour).abs(), 0.0).sum(), on_policy=int(mb.on_policy.sum()))
+            row["mismatch"] = torch.where(mb.on_policy.to(dev), (logp.detach() - behaviour).abs(), 0.0).sum()
         for key, value in (("loss/kl", out.kl_mean), ("loss/entropy", out.entropy_mean), ("loss/iw_mean", out.iw_mean)):
             if value is not None and n:
                 row[key] = value * n
@@ -317,7 +328,8 @@ class Trainer:
             self.critic.backward(v.loss * scale, scale_wrt_gas=False)
             self.critic.step()
             row.update({"loss/value": v.loss.detach(), "loss/value_clip_frac": v.clip_frac * n})
-        return torch.stack([torch.as_tensor(row[k], dtype=torch.float64, device=dev) for k in _SUMS])
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        return torch.stack([row[k].double() if k in row else zero for k in _DEVICE_SUMS])
 
 
 def _checkpoint_layers(model: torch.nn.Module) -> None:
@@ -347,5 +359,16 @@ def _useful_tokens(mb: TokenBatch) -> int:
     return int(kwargs["attention_mask"].sum()) if "attention_mask" in kwargs else int(kwargs["input_ids"].numel())
 
 
-# Per-update sums over micro-batches and ranks (one all-reduce).
-_SUMS = ("loss", "clipped", "mismatch", "on_policy", "tokens", "useful", "processed", "padded", "loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac")
+# Per-update sums over micro-batches and ranks (one all-reduce): counted on the host, then taken on the device.
+_HOST_SUMS = ("on_policy", "tokens", "useful", "processed", "padded")
+_DEVICE_SUMS = ("loss", "clipped", "mismatch", "loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac")
+
+
+def _to_device(mb: TokenBatch, device: torch.device) -> TokenBatch:
+    """The micro-batch's tensors on `device`: through pinned memory without a stream sync (a plain copy from pageable
+    memory waits for the GPU to drain). Other fields (a ring context, ints) stay as they are."""
+    if device.type != "cuda":
+        return mb
+    moved = {f.name: getattr(mb, f.name).pin_memory().to(device, non_blocking=True) for f in dataclasses.fields(mb)  # type: ignore[arg-type]
+             if isinstance(getattr(mb, f.name), torch.Tensor)}
+    return dataclasses.replace(mb, **moved)  # type: ignore[type-var]

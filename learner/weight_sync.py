@@ -315,6 +315,7 @@ class WeightSender:
         """Pick the group epoch for `members` and send each its WeightSync."""
         assert self._hub is not None
         devices = self._hub.devices(members)  # before the lock: never held while calling the hub
+        old: tuple[dist.ProcessGroup, str] | None = None  # closed after the lock: NCCL's abort can take a while
         with self._lock:
             reuse = self.group is not None and not self._group_stale and members == self.members and self.plan is not None
             if reuse:
@@ -323,13 +324,15 @@ class WeightSender:
             else:
                 # The old group has nothing in flight (a failed attempt already dropped it): it can go.
                 if self.group is not None and self.plan is not None:
-                    wg.close_group(self.group, self.plan.backend)
+                    old = (self.group, self.plan.backend)
                 plan = wg.plan_group(self.identity, list(zip(members, devices, strict=True)))
                 self.group, self.members, self.plan, self._group_stale = None, list(members), plan, False
                 self.epoch += 1
             att = Attempt(version=version, epoch=self.epoch, members=list(members), plan=plan, new_group=not reuse,
                           gens={a: self._gens[a] for a in members}, catchup=catchup)
             self._attempt, self._abort_why = att, None
+        if old is not None:
+            wg.close_group(*old)
         if att.new_group:
             self.log.info("weights.new_group_epoch", epoch=att.epoch, members=att.members, version=version,
                           backend=plan.backend, world_size=plan.world_size)
@@ -441,10 +444,10 @@ class WeightSender:
         """Tell the members the epoch is over (before returning: the optimizer may write the parameters next)."""
         assert self._serving is not None
         self.control.set(abort_key(att.epoch), str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
-        with self._lock:
-            if self.group is not None:
-                wg.close_group(self.group, att.plan.backend)
-            self.group, self.members, self.plan = None, [], None  # an operation still in flight lives on in the graveyard
+        with self._lock:  # the hub thread takes this lock: NCCL's abort (close_group) waits until it is released
+            dead, self.group, self.members, self.plan = self.group, None, [], None  # an operation in flight lives on in the graveyard
+        if dead is not None:
+            wg.close_group(dead, att.plan.backend)
         self._staging.drop()  # an abandoned gloo send may still read it: the next epoch stages into fresh memory
         self._serving.failed += 1
         self.log.warning("weights.attempt_failed", epoch=att.epoch, version=att.version, members=att.members,

@@ -123,7 +123,7 @@ class Abortable:
             work.wait()
             ran = torch.cuda.Event(blocking=True)  # blocking: the helper thread sleeps in the sync, it does not spin
             ran.record(torch.cuda.current_stream(tensor.device))
-            threading.Thread(target=_set_when_ran, args=(ran, done), name="fleetrl-nccl-wait", daemon=True).start()
+            threading.Thread(target=_set_when_ran, args=(ran, tensor.device, done), name="fleetrl-nccl-wait", daemon=True).start()
         else:  # gloo completes its future when the operation has ended, data and all
             work.get_future().add_done_callback(lambda _: done.set())
         try:
@@ -161,8 +161,11 @@ class Abortable:
         return box["value"]
 
 
-def _set_when_ran(ran: torch.cuda.Event, done: threading.Event) -> None:
+def _set_when_ran(ran: torch.cuda.Event, device: torch.device, done: threading.Event) -> None:
     try:
+        # A new thread's current device is 0: without this a worker on another GPU would make a CUDA context on
+        # GPU 0, taking memory from the engine that owns it.
+        torch.cuda.set_device(device)
         ran.synchronize()  # returns when the kernel has run, or has been ended by an abort
     finally:
         done.set()  # work.wait() on the caller's thread then says which

@@ -117,3 +117,27 @@ def test_gradient_checkpointing_trains_identically(one_rank, tiny_model_dir, tmp
     assert ckpt["losses"] == pytest.approx(one_rank["losses"], rel=1e-4, abs=1e-6)
     assert ckpt["grad_norms"] == pytest.approx(one_rank["grad_norms"], rel=1e-4)
     assert ckpt["weight_abs"] == pytest.approx(one_rank["weight_abs"], rel=1e-6)
+
+
+def test_tied_embeddings_zero3_two_ranks_match_one(tmp_path):
+    """Qwen2.5-0.5B and 1.5B tie the lm_head to the input embeddings: under ZeRO-3 the scoring head's weight is the
+    embedding's partitioned Parameter, gathered for the head and for the embedding, its gradient from both summed."""
+    from deploy.tiny import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_model(len(tok), seed=0)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model_dir = tmp_path / "tied"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # the driver loads it tied
+    one = run_ranks(str(model_dir), 1, tmp_path, "train.zero_stage=3", *BUDGET)
+    two = run_ranks(str(model_dir), 2, tmp_path, "train.zero_stage=3", *BUDGET)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-6)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+    assert two["weight_abs"] == pytest.approx(one["weight_abs"], rel=1e-6)
+    assert one["losses"][0] != pytest.approx(one["losses"][-1], rel=1e-3)

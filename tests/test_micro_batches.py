@@ -74,3 +74,17 @@ def test_shares_carry_the_cut_and_the_mini_batch_tokens():
     # the token-level loss divides by every rank's completion tokens of the mini-batch
     assert sum(shares[0].mini_batch_tokens) == sum(n - 2 for n in lengths)
     assert sorted(s.advantage for sh in shares for s in sh.samples) == [float(i) for i in range(12)]
+
+
+def test_deepspeed_sums_micro_batch_gradients_in_fp32_under_bf16():
+    """Left to DeepSpeed's default (the model's dtype), each of a token-budget step's micro-batches would round
+    the running gradient sum to bf16."""
+    from learner.trainer import StepLayout, deepspeed_config
+    from protocol.config import load_config
+
+    layout = StepLayout(mini_batches=1, ppo_epochs=1, micro_samples=1, accumulation=8)
+    bf16 = deepspeed_config(load_config(None, ["model.dtype=bfloat16"]), layout, 1e-6, cuda=True)
+    assert bf16["bf16"]["enabled"] and bf16["data_types"]["grad_accum_dtype"] == "fp32"
+    assert bf16["optimizer"]["params"]["fused"] is True  # torch's fused AdamW on CUDA
+    fp32 = deepspeed_config(load_config(None), layout, 1e-6, cuda=False)
+    assert "data_types" not in fp32 and "fused" not in fp32["optimizer"]["params"]

@@ -172,10 +172,10 @@ def test_debug_placement_keeps_the_global_batch():
 
 
 @pytest.mark.parametrize("dtype, stage, params, grads, adam", [
-    ("bfloat16", 0, 2e6, 2e6, 12e6),  # nothing sharded; Adam = fp32 m + v + master copy
-    ("bfloat16", 1, 2e6, 2e6, 3e6),
-    ("bfloat16", 2, 2e6, 0.5e6, 3e6),
-    ("bfloat16", 3, 0.5e6, 0.5e6, 3e6),
+    ("bfloat16", 0, 2e6, 4e6, 12e6),  # nothing sharded; fp32 gradient sums; Adam = fp32 m + v + master copy
+    ("bfloat16", 1, 2e6, 4e6, 3e6),
+    ("bfloat16", 2, 2e6, 1e6, 3e6),
+    ("bfloat16", 3, 0.5e6, 1e6, 3e6),
     ("float32", 0, 4e6, 4e6, 8e6),  # fp32 training: no master copy
     ("float32", 3, 1e6, 1e6, 2e6),
 ])

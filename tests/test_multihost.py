@@ -236,6 +236,9 @@ def test_lone_actor_cut_and_restored_resumes_training(netns, tiny_model_dir, tmp
     assert (epoch["version"], epoch["members"]) == (version, ["actor1"])  # sent again as it came back
     loaded = next(e for e in fleet.actor_log("actor1").named("actor.weights_loaded") if e["timestamp"] > rejoined)
     assert (loaded["version"], loaded["epoch"]) == (version, epoch["epoch"])  # the current weights, in a new epoch
-    assert any(r.get("weights/failed", 0) >= 1 for r in rows)  # the attempt it was cut from was given up
+    # The cut either caught the broadcast in flight (the attempt was given up) or came just after the learner had
+    # handed the last bytes to TCP (the attempt counts as delivered, the actor never got them): then the version
+    # went out again to the re-registered actor as a catch-up. Which one is a race; one of the two must show.
+    assert any(r.get("weights/failed", 0) >= 1 or r.get("weights/catchups", 0) >= 1 for r in rows)
     (done,) = log.named("learner.done")
     assert done["ledger"]["trained"] == len(rows) * PROMPTS

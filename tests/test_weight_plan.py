@@ -16,6 +16,7 @@ import torch
 from protocol import messages as m
 from protocol import weights as wg
 from protocol.config import ConfigError, load_config
+from tests.fake_hub import RecordingHub
 
 A, B, L = "cuda:GPU-aaaa", "cuda:GPU-bbbb", "cuda:GPU-1111"  # device identities: two actors' GPUs, the learner's
 
@@ -173,26 +174,6 @@ class _Worker:
         self.ext.model_runner = SimpleNamespace(get_model=lambda: self.model)
 
 
-class _Hub:
-    def __init__(self, devices):
-        self.members, self.sent = devices, []
-
-    def live_actors(self):
-        return sorted(self.members)
-
-    def devices(self, ids):
-        return [self.members[a] for a in ids]
-
-    def send_weight_sync(self, members, make):
-        self.sent.extend(make(a) for a in members)
-
-    def add_membership_listener(self, fn):
-        pass
-
-    def evict(self, actor_id, why):
-        raise AssertionError(f"{actor_id} evicted: {why}")
-
-
 def test_a_tensor_parallel_member_receives_on_every_worker_rank():
     """A two-worker engine ("tp") and a one-worker one ("zz") over real gloo: the sender gives tp ranks 1-2 and
     zz rank 3 of 4; each of tp's workers joins as its own rank (first + its vLLM rank) and gets every bucket."""
@@ -202,7 +183,7 @@ def test_a_tensor_parallel_member_receives_on_every_worker_rank():
     torch.manual_seed(0)
     named = [(f"p{i}", torch.randn(64, 64)) for i in range(6)]
     sender = WeightSender.for_params(WeightsConfig(bucket_mb=1, timeout_s=60), named, "bfloat16")
-    hub = _Hub({"tp": ["", ""], "zz": [""]})
+    hub = RecordingHub({"tp": ["", ""], "zz": [""]})
     sender.sync(1, hub)
     by_actor = dict(zip(["tp", "zz"], hub.sent, strict=True))
     assert [(s.rank, s.ranks, s.world_size, s.backend) for s in hub.sent] == [(1, 2, 4, "gloo"), (3, 1, 4, "gloo")]

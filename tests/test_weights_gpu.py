@@ -139,26 +139,9 @@ def test_one_gpu_learner_and_engine_sync_through_pinned_host_memory(tmp_path):
         sender = WeightSender.for_params(cfg.weights, list(learner.named_parameters()), "float32")
         assert devices == [sender.identity]  # the engine's one worker is on the learner's GPU
 
-        class OneEngineHub:
-            def __init__(self):
-                self.sent = []
+        from tests.fake_hub import RecordingHub
 
-            def live_actors(self):
-                return ["engine"]
-
-            def devices(self, ids):
-                return [devices for _ in ids]
-
-            def send_weight_sync(self, members, make):
-                self.sent.extend(make(a) for a in members)
-
-            def add_membership_listener(self, fn):
-                pass
-
-            def evict(self, actor_id, why):
-                raise AssertionError(f"{actor_id} evicted: {why}")
-
-        hub = OneEngineHub()
+        hub = RecordingHub({"engine": devices})
         sender.sync(1, hub)
         (msg,) = hub.sent
         assert msg.backend == "gloo" and (msg.rank, msg.ranks, msg.world_size) == (1, 1, 2)

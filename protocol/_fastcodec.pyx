@@ -139,7 +139,7 @@ cdef bint _floats_below(cnp.ndarray a, int32_t limit_bits):
 
 cdef bint _rollout_ok(object msg, list arrays):
     """RolloutGroup.check, compiled: True where it would pass (see LOGPROB_LIMIT_BITS)."""
-    cdef cnp.ndarray lengths = arrays[1], tokens = arrays[2], logprobs = arrays[3], rewards = arrays[4]
+    cdef cnp.ndarray lengths = arrays[1], tokens = arrays[2], logprobs = arrays[3], rewards = arrays[4], parts = arrays[5]
     cdef const char* lp = <const char*>cnp.PyArray_DATA(lengths)
     cdef Py_ssize_t i, n = cnp.PyArray_SIZE(lengths)
     cdef int64_t total = 0
@@ -154,7 +154,10 @@ cdef bint _rollout_ok(object msg, list arrays):
         return False
     if cnp.PyArray_SIZE(rewards) != n or len(msg.finish_reasons) != n or msg.version_max < msg.version_min:
         return False
-    return _floats_below(rewards, INF_BITS) and _floats_below(logprobs, LOGPROB_LIMIT_BITS)
+    if cnp.PyArray_SIZE(parts) != n * len(msg.reward_part_names) or not 0 <= msg.reward_errors <= n:
+        return False
+    return (_floats_below(rewards, INF_BITS) and _floats_below(logprobs, LOGPROB_LIMIT_BITS)
+            and _floats_below(parts, INF_BITS))
 
 
 def decode_fast(frames, max_frame_bytes):

@@ -274,7 +274,8 @@ def decode_python(frames: Sequence[Any], max_frame_bytes: int = 64 << 20) -> Mes
 
 def _plans() -> list[Any]:
     """The compiled fast paths' per-type plans: for the types whose arrays are all 1-D and whose lists hold str."""
-    assert tuple(RolloutGroup.ARRAYS) == ("prompt_tokens", "lengths", "completion_tokens", "behaviour_logprobs", "rewards"), \
+    assert tuple(RolloutGroup.ARRAYS) == ("prompt_tokens", "lengths", "completion_tokens", "behaviour_logprobs", "rewards",
+                                          "reward_parts"), \
         "_fastcodec._rollout_ok reads RolloutGroup's arrays by position"
     plans = []
     for name, s in _SCHEMAS.items():

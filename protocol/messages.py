@@ -19,7 +19,7 @@ import numpy as np
 
 # 2: positional header (protocol/codec.py); 3: WorkRequest.max_prompts is a capacity;
 # 4: Register.devices, WeightSync.ranks and WeightSync.backend (weight groups on GPUs)
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 WEIGHT_BACKENDS = ("nccl", "gloo")  # a weight group's torch.distributed backend; protocol/weights.py picks one per epoch
 MAX_RANKS_PER_ACTOR = 64  # weight-group ranks one registration may claim: a peer cannot grow the group without bound
 
@@ -108,6 +108,8 @@ class WorkGrant(Message):
     answer: str  # reference answer for the reward function
     policy_version: int  # the actor must serve at least this version before generating
     lease_s: float  # the hub takes the prompt back after this many seconds
+    prompt: str = ""  # the prompt as the model sees it (chat template applied), for the reward function
+    metadata: str = "{}"  # JSON object: the row's other columns (dataset name, ground truth parts...), for the reward
 
     def check(self) -> None:
         if self.prompt_tokens.shape[0] == 0:
@@ -124,6 +126,7 @@ class RolloutGroup(Message):
         "completion_tokens": ("int32", 1),
         "behaviour_logprobs": ("float32", 1),
         "rewards": ("float32", 1),
+        "reward_parts": ("float32", 1),
     }
     actor_id: str
     prompt_id: int
@@ -138,6 +141,10 @@ class RolloutGroup(Message):
     version_max: int  # version of the newest token's weights (> min if weights changed mid-sequence)
     gen_s: float  # seconds from grant start to the group's last token
     reward_s: float  # seconds spent scoring
+    # The reward function's named parts (k of them), per completion: float32 [n * k], row-major [n, k].
+    reward_parts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    reward_part_names: list[str] = field(default_factory=list)  # the k names, the same for every completion
+    reward_errors: int = 0  # completions whose reward raised or ran out of time: scored 0
 
     def check(self) -> None:
         # protocol/_fastcodec.pyx (_rollout_ok) compiles these checks for the decoder's fast path: change
@@ -161,6 +168,13 @@ class RolloutGroup(Message):
             raise ProtocolError("RolloutGroup: version_max < version_min")
         if not (math.isfinite(sum(self.rewards.tolist())) and math.isfinite(_sum(self.behaviour_logprobs))):
             raise ProtocolError("RolloutGroup: non-finite reward or logprob")
+        if len(self.reward_parts) != n * len(self.reward_part_names):
+            raise ProtocolError(f"RolloutGroup.reward_parts: {len(self.reward_parts)} values for {n} completions x "
+                                f"{len(self.reward_part_names)} parts")
+        if not math.isfinite(sum(self.reward_parts.tolist())):  # in float64: finite float32 values cannot overflow it
+            raise ProtocolError("RolloutGroup.reward_parts: non-finite value")
+        if not 0 <= self.reward_errors <= n:
+            raise ProtocolError(f"RolloutGroup.reward_errors: {self.reward_errors} not in [0, {n}]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -181,6 +195,8 @@ class EvalGrant(Message):
     temperature: float  # 0.0 = greedy
     seed: int  # sampling seed for this prompt: a re-granted prompt samples the same way
     lease_s: float  # the hub re-grants the prompt to another actor after this many seconds
+    prompt: str = ""  # the prompt as the model sees it, for the reward function
+    metadata: str = "{}"  # JSON object: the row's other columns, for the reward function
 
     def check(self) -> None:
         if self.prompt_tokens.shape[0] == 0:
@@ -204,6 +220,7 @@ class EvalResult(Message):
     version_min: int  # version of the weights at the first token
     version_max: int  # version at the last token (the hub accepts only min == max == the grant's version)
     gen_s: float  # seconds from grant start to the last token
+    reward_errors: int = 0  # completions whose reward raised or ran out of time: scored 0
 
     def check(self) -> None:
         n = self.lengths.shape[0]
@@ -215,6 +232,8 @@ class EvalResult(Message):
             raise ProtocolError("EvalResult: version_max < version_min")
         if not np.isfinite(self.rewards.sum()):
             raise ProtocolError("EvalResult: non-finite reward")
+        if not 0 <= self.reward_errors <= n:
+            raise ProtocolError(f"EvalResult.reward_errors: {self.reward_errors} not in [0, {n}]")
 
 
 @dataclass(kw_only=True, slots=True)

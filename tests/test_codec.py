@@ -49,12 +49,12 @@ def test_arrays_travel_as_raw_frames_not_lists():
     frames = encode(g)
     version, name, dtypes, values = msgpack.unpackb(frames[0])
     assert (version, name) == (m.PROTOCOL_VERSION, "RolloutGroup")
-    assert dtypes == "int32 int32 int32 float32 float32"
+    assert dtypes == "int32 int32 int32 float32 float32 float32"
     total = int(g.lengths.sum())
-    assert values[-5:] == [4, 4, total, total, 4]  # the arrays' dims only: no array data in the header
+    assert values[-6:] == [4, 4, total, total, 4, 0]  # the arrays' dims only: no array data in the header
     assert not any(isinstance(v, list) and len(v) == total for v in values)
     assert len(frames) == 1 + len(m.RolloutGroup.ARRAYS)
-    assert [f.nbytes for f in frames[1:]] == [g.prompt_tokens.nbytes, 16, g.completion_tokens.nbytes, g.behaviour_logprobs.nbytes, 16]
+    assert [f.nbytes for f in frames[1:]] == [g.prompt_tokens.nbytes, 16, g.completion_tokens.nbytes, g.behaviour_logprobs.nbytes, 16, 0]
     out = decode([bytes(f) for f in frames])
     assert isinstance(out.completion_tokens, np.ndarray) and out.completion_tokens.dtype == np.int32
     assert not out.completion_tokens.flags.owndata  # a view of the received frame, not a copy
@@ -85,8 +85,8 @@ def _with_header(frames, header):
 
 
 # header = [version, type, dtypes, values]; RolloutGroup's values: actor_id, prompt_id, epoch, finish_reasons,
-# version_min, version_max, gen_s, reward_s (0-7), then the dims of prompt_tokens, lengths, completion_tokens,
-# behaviour_logprobs, rewards (8-12)
+# version_min, version_max, gen_s, reward_s, reward_part_names, reward_errors (0-9), then the dims of prompt_tokens,
+# lengths, completion_tokens, behaviour_logprobs, rewards, reward_parts (10-15)
 @pytest.mark.parametrize(
     "mutate, needle",
     [
@@ -105,16 +105,16 @@ def _with_header(frames, header):
         (lambda h: h[3].__setitem__(6, "1.0"), "RolloutGroup.gen_s: expected float, got str"),
         (lambda h: h[3].__setitem__(3, "stop"), "RolloutGroup.finish_reasons: expected list[str], got str"),
         (lambda h: h[3].__setitem__(3, ["stop", 1, "stop"]), "RolloutGroup.finish_reasons: expected list[str], got a list"),
-        (lambda h: h.__setitem__(2, "float64 int32 int32 float32 float32"), "RolloutGroup.prompt_tokens: dtype 'float64', expected int32"),
-        (lambda h: h.__setitem__(2, "int32 int32 int32 float32 float64"), "RolloutGroup.rewards: dtype 'float64', expected float32"),
+        (lambda h: h.__setitem__(2, "float64 int32 int32 float32 float32 float32"), "RolloutGroup.prompt_tokens: dtype 'float64', expected int32"),
+        (lambda h: h.__setitem__(2, "int32 int32 int32 float32 float64 float32"), "RolloutGroup.rewards: dtype 'float64', expected float32"),
         (lambda h: h.__setitem__(2, "int32 int32 int32 float32"), "RolloutGroup: array dtypes"),
         (lambda h: h.__setitem__(2, ["int32"] * 3 + ["float32"] * 2), "RolloutGroup: array dtypes"),
-        (lambda h: h[3].__setitem__(8, 99), "RolloutGroup.prompt_tokens: shape [99] needs 396 bytes, frame has 16"),
-        (lambda h: h[3].__setitem__(9, -1), "RolloutGroup.lengths: shape [-1], expected 1 non-negative int dims"),
-        (lambda h: h[3].__setitem__(9, 3.0), "RolloutGroup.lengths: shape [3.0], expected 1 non-negative int dims"),  # == 3, wrong type
-        (lambda h: h[3].__setitem__(9, True), "RolloutGroup.lengths: shape [True]"),
-        (lambda h: h[3].pop(), "RolloutGroup.rewards: shape [], expected 1"),
-        (lambda h: h[3].__setitem__(12, [3]), "RolloutGroup.rewards: shape [[3]]"),
+        (lambda h: h[3].__setitem__(10, 99), "RolloutGroup.prompt_tokens: shape [99] needs 396 bytes, frame has 16"),
+        (lambda h: h[3].__setitem__(11, -1), "RolloutGroup.lengths: shape [-1], expected 1 non-negative int dims"),
+        (lambda h: h[3].__setitem__(11, 3.0), "RolloutGroup.lengths: shape [3.0], expected 1 non-negative int dims"),  # == 3, wrong type
+        (lambda h: h[3].__setitem__(11, True), "RolloutGroup.lengths: shape [True]"),
+        (lambda h: h[3].pop(), "RolloutGroup.reward_parts: shape [], expected 1"),
+        (lambda h: h[3].__setitem__(14, [3]), "RolloutGroup.rewards: shape [[3]]"),
     ],
 )
 def test_bad_headers_are_named(mutate, needle):
@@ -142,7 +142,7 @@ def test_int_for_float_field_is_accepted_as_float():
 
 def test_truncated_oversized_and_inconsistent():
     frames = [bytes(f) for f in encode(rollout_group())]
-    with pytest.raises(m.ProtocolError, match="expected 5 array frames, got 4"):
+    with pytest.raises(m.ProtocolError, match="expected 6 array frames, got 5"):
         decode(frames[:-1])
     with pytest.raises(m.ProtocolError, match="not valid MessagePack"):
         decode([frames[0][:-3], *frames[1:]])
@@ -172,6 +172,11 @@ def test_truncated_oversized_and_inconsistent():
         (lambda g: g.behaviour_logprobs.__setitem__(0, -np.inf), "non-finite"),
         (lambda g: g.rewards.__setitem__(1, np.inf), "non-finite"),
         (lambda g: g.rewards.__setitem__(1, np.nan), "non-finite"),
+        (lambda g: setattr(g, "reward_part_names", ["format"]), r"reward_parts: 0 values for 4 completions x 1 parts"),
+        (lambda g: (setattr(g, "reward_part_names", ["a"]), setattr(g, "reward_parts", np.array([0, 1, np.nan, 0], np.float32))),
+         "reward_parts: non-finite"),
+        (lambda g: setattr(g, "reward_errors", 5), r"reward_errors: 5 not in \[0, 4\]"),
+        (lambda g: setattr(g, "reward_errors", -1), "reward_errors"),
     ],
 )
 def test_inconsistent_groups_are_named(mutate, needle):
@@ -255,3 +260,13 @@ def test_fuzz_one_value_with_real_frames_only_raises_protocol_error(index, obj):
         decode(_with_header(frames, header))
     except m.ProtocolError:
         pass
+
+
+def test_reward_parts_round_trip():
+    g = rollout_group(n=3)
+    g.reward_part_names = ["answer", "format"]
+    g.reward_parts = np.array([1, 0.5, 0, 0.5, 1, 0], np.float32)
+    g.reward_errors = 1
+    out = decode(encode(g))
+    assert out.reward_part_names == ["answer", "format"] and out.reward_errors == 1
+    np.testing.assert_array_equal(out.reward_parts.reshape(3, 2), g.reward_parts.reshape(3, 2))

@@ -283,3 +283,19 @@ def test_a_stale_build_is_not_used(monkeypatch):
 def test_fuzz_arbitrary_frames_fast_equals_python(frames, obj):
     _compare(frames)
     _compare([msgpack.packb(obj), *frames])
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.integers(1, 4), hs.integers(0, 3), hs.sampled_from([0, 0, -1, 1]), hs.integers(-2, 6),
+       hs.sampled_from([float("nan"), float("inf"), -float("inf"), 3.4e38]) | _FLOAT32)
+@example(2, 2, 0, 0, 3.4e38)  # large but finite values that a float32 sum would overflow: both accept
+@example(2, 1, 1, 0, 0.5)
+@example(2, 1, 0, 3, 0.5)
+def test_fuzz_reward_parts_fast_equals_python(n, k, delta, errors, value):
+    g = rollout_group(n=n)
+    parts = np.full(max(0, n * k + delta), 3.4e38 if value == 3.4e38 else 0.25, np.float32)
+    if len(parts):
+        parts[0] = np.float32(value)
+    g.reward_part_names, g.reward_parts, g.reward_errors = [f"part{i}" for i in range(k)], parts, errors
+    fast, want = _compare([bytes(f) for f in codec.encode(g)])
+    assert (fast is not None) == (want is not None)

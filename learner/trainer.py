@@ -239,6 +239,8 @@ class Trainer:
             host[-1] = self.layout.ppo_epochs * sum(len(c) * max(len(x.tokens) for x in c) for mini in chunks for c in mini)
         micro_batches = [[_to_device(mb, self.topo.device) for mb in mbs] for mbs in built]
         extras = [[self._prepare(mb) for mb in mbs] for mbs in micro_batches]
+        if self.cfg.algo.advantage_normalize:
+            self._whiten_advantages([e for es in extras for e in es])
         # The loss is a sum over ranks' tokens; DeepSpeed sums SP peers' gradients and averages the DP replicas.
         scale = float(self.topo.dp_size)
         self.engine.train()
@@ -289,6 +291,22 @@ class Trainer:
             assert adv.returns is not None
             out.update(old_values=old, advantages=adv.tokens.float(), returns=adv.returns.float())
         return out
+
+    def _whiten_advantages(self, extras: list[dict[str, torch.Tensor]]) -> None:
+        """GAE advantages to zero mean and unit variance over every completion token of the rollout batch, on all
+        ranks (one all-reduce), as Open-Reasoner-Zero normalises its replay buffer (advantage_normalize)."""
+        advs = [e["advantages"] for e in extras]
+        device = advs[0].device
+        stats = torch.stack([sum((a.double().sum() for a in advs), torch.zeros((), dtype=torch.float64, device=device)),
+                             sum((a.double().square().sum() for a in advs), torch.zeros((), dtype=torch.float64, device=device)),
+                             torch.tensor(float(sum(a.numel() for a in advs)), dtype=torch.float64, device=device)])
+        if self.topo.world > 1:
+            dist.all_reduce(stats)
+        total, squares, count = stats.unbind()
+        mean = total / count.clamp(min=1)
+        std = (squares / count.clamp(min=1) - mean.square()).clamp(min=0).sqrt()
+        for e in extras:
+            e["advantages"] = ((e["advantages"].double() - mean) / (std + ADV_EPS)).to(e["advantages"].dtype)
 
     def _kwargs(self, mb: TokenBatch) -> dict:
         return {k: v.to(self.topo.device) if isinstance(v, torch.Tensor) else v for k, v in mb.model_kwargs().items()}
@@ -358,6 +376,8 @@ def _useful_tokens(mb: TokenBatch) -> int:
     kwargs = mb.model_kwargs()
     return int(kwargs["attention_mask"].sum()) if "attention_mask" in kwargs else int(kwargs["input_ids"].numel())
 
+
+ADV_EPS = 1e-8  # the whitened advantages' std floor (a batch of equal advantages stays finite)
 
 # Per-update sums over micro-batches and ranks (one all-reduce): counted on the host, then taken on the device.
 _HOST_SUMS = ("on_policy", "tokens", "useful", "processed", "padded")

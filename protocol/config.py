@@ -98,6 +98,7 @@ class AlgoConfig:
     value_clip: float = 0.2  # critic: clip of the value update around the old values
     critic_lr: float = 5e-6  # critic's AdamW learning rate
     critic_path: str = ""  # critic init (HF folder); "" = the policy model's weights with a fresh value head
+    advantage_normalize: bool = False  # gae: whiten the advantages over the whole rollout batch (Open-Reasoner-Zero does)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -329,6 +330,8 @@ def _check(cfg: Config) -> None:
     need(cfg.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0")
     need(cfg.algo.value_clip > 0, "algo.value_clip", "must be > 0")
     need(cfg.algo.critic_lr > 0, "algo.critic_lr", "must be > 0")
+    need(not cfg.algo.advantage_normalize or cfg.algo.advantage == "gae", "algo.advantage_normalize",
+         f"whitens GAE advantages; algo.advantage = {cfg.algo.advantage} normalises within each group already")
     for name in ("learner_nodes", "learner_gpus_per_node", "actor_nodes", "actor_gpus_per_node", "tensor_parallel_size"):
         need(getattr(cfg.cluster, name) >= 1, f"cluster.{name}", "must be >= 1")
     need(cfg.cluster.debug_gpus >= 0, "cluster.debug_gpus", "must be >= 0 (0 = off)")

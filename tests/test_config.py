@@ -33,6 +33,10 @@ def test_overrides_parse_types():
         ("actor.max_model_len=2", "actor.max_model_len"),
         ("train.cpu_affinity=zero", "train.cpu_affinity"),
         ("actor.cpu_bind=auto", "actor.worker_in_engine"),  # binding OMP threads needs vLLM's own worker process
+        ("algo.advantage_normalize=true", "algo.advantage_normalize"),  # grpo: whitening is for GAE advantages
+        ("train.max_tokens_per_micro_batch=-1", "train.max_tokens_per_micro_batch"),
+        ("weights.snapshot=gpu", "weights.snapshot"),
+        ("cluster.gpu_memory_gib=0", "cluster.gpu_memory_gib"),
     ],
 )
 def test_errors_name_the_field(override, field):

@@ -141,3 +141,15 @@ def test_tied_embeddings_zero3_two_ranks_match_one(tmp_path):
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
     assert two["weight_abs"] == pytest.approx(one["weight_abs"], rel=1e-6)
     assert one["losses"][0] != pytest.approx(one["losses"][-1], rel=1e-3)
+
+
+def test_advantage_normalize_whitens_over_all_ranks(tiny_model_dir, tmp_path):
+    """algo.advantage_normalize (Open-Reasoner-Zero's setting): GAE advantages whitened over the whole rollout batch,
+    so 2 ranks, each with half of the tokens, train exactly as 1 rank; and differently from unwhitened advantages."""
+    algo = ("algo.advantage=gae", "algo.critic_lr=1e-3", "train.zero_stage=2")
+    one = run_ranks(str(tiny_model_dir), 1, tmp_path, *algo, "algo.advantage_normalize=true")
+    two = run_ranks(str(tiny_model_dir), 2, tmp_path, *algo, "algo.advantage_normalize=true")
+    plain = run_ranks(str(tiny_model_dir), 1, tmp_path, *algo)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-6)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+    assert one["grad_norms"][0] != pytest.approx(plain["grad_norms"][0], rel=1e-2)

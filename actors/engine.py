@@ -2,7 +2,15 @@
 
 Behaviour logprobs: `logprobs_mode="processed_logprobs"` makes vLLM return the
 logprob of each sampled token under the distribution it was actually sampled
-from (after temperature), which is what the learner's importance ratio needs.
+from, which is what the learner's importance ratio needs: after temperature, and
+after top-k / top-p, renormalised over the tokens they keep (the masked ones are
+-inf; vllm/v1/sample/ops/topk_topp_sampler.py returns log_softmax of the masked
+logits). learner/scoring.py scores that same truncated distribution.
+
+Stop strings (rollout.stop, eval.stop) need vLLM's detokenizer: it checks them as text.
+A request with stop strings is detokenized by vLLM and its text is vLLM's (cut before
+the stop string unless include_stop_str_in_output; the token that completed it is kept
+in the token ids); one without is not, and the text is decoded here once.
 Prefix caching is off: a cached prefix computed by old weights would make a new
 request's logprobs belong to no single policy version.
 
@@ -30,8 +38,33 @@ from protocol.messages import WeightSync
 class Completion:
     token_ids: np.ndarray  # int32 [len]
     logprobs: np.ndarray  # float32 [len]
-    finish_reason: str
-    text: str
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string) | "length"
+    text: str  # what the reward sees
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How one request samples. The learner scores training samples with rollout's temperature, top_k and top_p."""
+
+    temperature: float  # 0.0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    stop: tuple[str, ...] = ()
+    include_stop_str: bool = False  # the text keeps the stop string that ended it
+
+    @staticmethod
+    def rollout(cfg: Config) -> Sampling:
+        r = cfg.rollout
+        return Sampling(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop),
+                        include_stop_str=r.include_stop_str_in_output)
+
+    @staticmethod
+    def evaluation(cfg: Config, temperature: float) -> Sampling:
+        """The hub picks greedy (0.0) or sampled (rollout.temperature) per EvalGrant; the rest is eval.*. One
+        reward scores both, so the stop-string convention of the text is rollout's."""
+        e = cfg.eval
+        return Sampling(temperature=temperature, top_p=e.top_p, top_k=e.top_k, stop=tuple(e.stop),
+                        include_stop_str=cfg.rollout.include_stop_str_in_output)
 
 
 def engine_env(cfg: Config, on_cuda: bool) -> None:
@@ -84,21 +117,24 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)  # the one vLLM loads (same folder), unpooled
 
     async def generate_group(self, prompt_tokens: np.ndarray, n: int, seed: int | None = None,
-                             temperature: float | None = None) -> list[Completion]:
+                             sampling: Sampling | None = None) -> list[Completion]:
         """`n` completions of one prompt as one request (vLLM fans it out to n sequences).
 
-        `temperature` defaults to rollout.temperature; 0.0 is greedy (evaluation).
+        `sampling` defaults to rollout's (Sampling.rollout); temperature 0.0 is greedy (evaluation).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.logprobs import FlatLogprobs
         from vllm.sampling_params import RequestOutputKind
 
+        s = sampling or Sampling.rollout(self.cfg)
         # detokenize=False: vLLM would decode every token twice as it goes (the text, and each logprob's token);
-        # the reward needs the text once, decoded here. flat_logprobs: one list of floats, not a dict per token.
+        # the reward needs the text once, decoded here. Stop strings are matched on vLLM's text, so they need it.
+        # flat_logprobs: one list of floats, not a dict per token.
         params = SamplingParams(
-            n=n, temperature=self.cfg.rollout.temperature if temperature is None else temperature, max_tokens=self.cfg.rollout.max_tokens, logprobs=0,
-            seed=seed, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False, flat_logprobs=True,
+            n=n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=self.cfg.rollout.max_tokens, logprobs=0,
+            seed=seed, output_kind=RequestOutputKind.FINAL_ONLY, flat_logprobs=True,
+            detokenize=bool(s.stop), stop=list(s.stop) or None, include_stop_str_in_output=s.include_stop_str,
         )
         final = None
         prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_tokens])
@@ -115,10 +151,13 @@ class Engine:
             first = lps.start_indices
             if len(first) != len(ids) or [lps.token_ids[i] for i in first] != ids:
                 raise RuntimeError(f"engine logprobs do not line up with the {len(ids)} sampled tokens")
-            # The text vLLM would have made: without the token that stopped it (EOS, or one of stop_token_ids).
-            stopped_by_token = c.finish_reason == "stop" and (c.stop_reason is None or isinstance(c.stop_reason, int))
-            kept = ids[:-1] if stopped_by_token and ids else ids
-            text = str(self.tokenizer.decode(kept, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+            if s.stop:
+                text = c.text  # vLLM's: cut at the stop string (a stop string is reported as finish reason "stop")
+            else:
+                # The text vLLM would have made: without the token that stopped it (EOS, or one of stop_token_ids).
+                stopped_by_token = c.finish_reason == "stop" and (c.stop_reason is None or isinstance(c.stop_reason, int))
+                kept = ids[:-1] if stopped_by_token and ids else ids
+                text = str(self.tokenizer.decode(kept, skip_special_tokens=True, clean_up_tokenization_spaces=False))
             completions.append(Completion(
                 token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray([lps.logprobs[i] for i in first], dtype=np.float32),
                 finish_reason=c.finish_reason or "length", text=text))

@@ -2,8 +2,8 @@
 
     receiver task:  RegisterAck | WorkGrant -> grant task | WeightSync -> sync task | Shutdown | Error
     grant task:     wait until the engine serves grant.policy_version -> generate n completions
-                    -> score -> send RolloutGroup (each group as soon as it is done)
-    eval task:      EvalGrant -> generate with its sampling (greedy or sampled) -> score -> EvalResult
+                    -> score (reward worker processes) -> send RolloutGroup (each group as soon as it is done)
+    eval task:      EvalGrant -> generate with its sampling (greedy or sampled, eval.*) -> score -> EvalResult
                     (not counted in `held`: eval work never takes the place of training work)
     sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
                     (a failed sync is logged and survived: the learner forms a new group epoch and sends again)
@@ -39,7 +39,9 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from actors.rewards import load_reward_fn
+from actors.engine import Completion, Sampling
+from actors.rewards import GroupScores, RewardContext, assemble, load_reward, parse_metadata
+from actors.rewards.pool import RewardPool
 from protocol import auth, transport
 from protocol import messages as m
 from protocol.config import Config, parse_cpus
@@ -56,7 +58,9 @@ class Actor:
         self.cfg = cfg
         self.learner = learner
         self.actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-        self.reward_fn = load_reward_fn(cfg.rollout.reward_fn)
+        load_reward(cfg.rollout.reward_fn)  # fails here, naming rollout.reward_fn, before the engine's slow start
+        self.rewards: RewardPool | None = None  # the worker processes that score (started after the engine)
+        self.sampling = Sampling.rollout(cfg)
         self.keys = auth.client_keys(cfg, learner)  # CURVE keys, or None on loopback (a bad key file fails here)
         self.served_version = 0  # the weights in model.path are the learner's version 0
         self.version_changed = asyncio.Condition()
@@ -87,6 +91,13 @@ class Actor:
             await self.engine.warm_up()
         self.devices = await self.engine.devices()
         self.log.info("actor.engine_devices", ranks=len(self.devices), devices=self.devices)
+        # After the engine: a process it forks must not inherit the workers' sockets (a worker whose socket is
+        # also held elsewhere would not see the actor die).
+        r = self.cfg.rollout
+        self.rewards = RewardPool(r.reward_fn, r.reward_workers, r.reward_timeout_s,
+                                  on_replace=lambda why: self.log.warning("actor.reward_worker_replaced", reward=r.reward_fn, why=why))
+        with phase(self.log, "actor.reward_workers_start", workers=r.reward_workers):
+            await self.rewards.start()
         ctx = zmq.asyncio.Context()
         self.sock = transport.client_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self.keys,
                                             events=CONNECTION_EVENTS)
@@ -101,6 +112,8 @@ class Actor:
             await asyncio.gather(*self.tasks, return_exceptions=True)
             self.sock.close(linger=0)
             ctx.term()
+            if self.rewards is not None:
+                await self.rewards.close()
             self.engine.shutdown()
             self.log.info("actor.stopped", exit_code=self.exit_code)
         return self.exit_code
@@ -239,17 +252,36 @@ class Actor:
             await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
         version_min = self.served_version
         t0 = time.perf_counter()
-        completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt)
+        completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt,
+                                                       sampling=self.sampling)
         version_max = self.served_version
         gen_s = time.perf_counter() - t0
-        rewards = np.asarray([self.reward_fn(c.text, grant.answer) for c in completions], dtype=np.float32)
+        scores = await self._score(grant, completions, "train")
         lengths = np.asarray([len(c.token_ids) for c in completions], dtype=np.int32)
         await self._send(m.RolloutGroup(
             actor_id=self.actor_id, prompt_id=grant.prompt_id, epoch=grant.epoch, prompt_tokens=grant.prompt_tokens,
             lengths=lengths, completion_tokens=np.concatenate([c.token_ids for c in completions]),
-            behaviour_logprobs=np.concatenate([c.logprobs for c in completions]), rewards=rewards,
+            behaviour_logprobs=np.concatenate([c.logprobs for c in completions]), rewards=scores.rewards,
             finish_reasons=[c.finish_reason for c in completions], version_min=version_min, version_max=version_max,
-            gen_s=gen_s, reward_s=time.perf_counter() - t0 - gen_s))
+            gen_s=gen_s, reward_s=time.perf_counter() - t0 - gen_s, reward_parts=scores.parts,
+            reward_part_names=scores.part_names, reward_errors=scores.errors))
+
+    async def _score(self, grant: m.WorkGrant | m.EvalGrant, completions: list[Completion], split: str) -> GroupScores:
+        """Score a group in the reward workers. A failed reward scores 0 and is counted in the group (and logged
+        here, once per group, with its first line): the group is sent as usual."""
+        assert self.rewards is not None
+        try:
+            metadata = parse_metadata(grant.metadata)
+        except ValueError as e:  # json.JSONDecodeError is a ValueError; the reward still runs, with no metadata
+            self.log.warning("actor.bad_metadata", prompt_id=grant.prompt_id, split=split, error=str(e))
+            metadata = {}
+        contexts = [RewardContext(completion=c.text, prompt=grant.prompt, answer=grant.answer, metadata=metadata,
+                                  finish_reason=c.finish_reason) for c in completions]
+        scores = assemble(await self.rewards.score(contexts))
+        if scores.errors:
+            self.log.warning("actor.reward_errors", reward=self.cfg.rollout.reward_fn, errors=scores.errors, of=len(contexts),
+                             prompt_id=grant.prompt_id, split=split, first=scores.first_error)
+        return scores
 
     async def _run_eval(self, grant: m.EvalGrant) -> None:
         """The hub sends no newer weights during a round, so version_min == version_max == grant.policy_version."""
@@ -257,13 +289,15 @@ class Actor:
             await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
         version_min = self.served_version
         t0 = time.perf_counter()
-        completions = await self.engine.generate_group(grant.prompt_tokens, grant.n, seed=grant.seed, temperature=grant.temperature)
+        completions = await self.engine.generate_group(grant.prompt_tokens, grant.n, seed=grant.seed,
+                                                       sampling=Sampling.evaluation(self.cfg, grant.temperature))
+        gen_s = time.perf_counter() - t0
+        scores = await self._score(grant, completions, grant.split)
         await self._send(m.EvalResult(
             actor_id=self.actor_id, eval_round=grant.eval_round, split=grant.split, prompt_id=grant.prompt_id,
-            lengths=np.asarray([len(c.token_ids) for c in completions], dtype=np.int32),
-            rewards=np.asarray([self.reward_fn(c.text, grant.answer) for c in completions], dtype=np.float32),
+            lengths=np.asarray([len(c.token_ids) for c in completions], dtype=np.int32), rewards=scores.rewards,
             finish_reasons=[c.finish_reason for c in completions], version_min=version_min,
-            version_max=self.served_version, gen_s=time.perf_counter() - t0))
+            version_max=self.served_version, gen_s=gen_s, reward_errors=scores.errors))
 
     async def _apply_sync(self, sync: m.WeightSync) -> None:
         async with self.sync_lock:

@@ -29,7 +29,8 @@ class ReferencePolicy:
         return cls(AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype))
 
     @torch.no_grad()
-    def logprobs(self, mb: TokenBatch, temperature: float, chunk: int = 1024) -> torch.Tensor:
-        """Logprobs [T] of the micro-batch's completion tokens, after `temperature` like the policy's, on its device."""
+    def logprobs(self, mb: TokenBatch, temperature: float, chunk: int = 1024, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+        """Logprobs [T] of the micro-batch's completion tokens, after `temperature`, `top_k` and `top_p` like the
+        policy's (the KL compares the same truncated distributions), on its device."""
         device = next(self.model.parameters()).device
-        return score_tokens(self.model, self.head, mb, temperature, chunk, entropy=False, device=device)[0]
+        return score_tokens(self.model, self.head, mb, temperature, chunk, entropy=False, device=device, top_k=top_k, top_p=top_p)[0]

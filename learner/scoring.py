@@ -14,6 +14,20 @@ ZeRO-3 gathers a module's parameters only around that module's own forward and b
 The head returns one `[T, 2]` tensor (logprob, entropy), so ZeRO-3's backward hook on the
 module's output sees every gradient that reaches the weight. Outside `scoring(...)` the head
 is a plain linear layer.
+
+Top-k / top-p (rollout.top_k, rollout.top_p): the actor's vLLM samples from, and reports the
+logprobs of, softmax(z) renormalised over the kept tokens (vllm/v1/sample/ops/topk_topp_sampler.py,
+apply_top_k_top_p_pytorch: top-k keeps z >= the k-th largest z; then top-p, on the softmax of what
+top-k kept, sorted ascending, drops each token whose cumulative probability is <= 1 - top_p, the
+largest always kept; z = logits / temperature, so the kept set depends on the temperature). The
+learner scores the same distribution: each chunk finds each token's threshold (the smallest kept z)
+the same way, and the logprob is z[target] - logsumexp over the kept set. Only the [T] thresholds are
+saved; backward recomputes the mask from them. The mask is piecewise constant in z, so the masked
+logits get zero gradient and the kept ones the softmax over the kept set. The target is always
+counted as kept: the engine sampled it, so under the engine's weights it is kept anyway, and under
+moved weights (a stale sample, or a later PPO step) a target that fell out of the set scores as the
+smallest member instead of -inf (a ratio of exactly 0 and a NaN gradient). Ties at the threshold keep
+every tied token, where vLLM's sort keeps an arbitrary subset of them.
 """
 
 from __future__ import annotations
@@ -27,27 +41,37 @@ from torch import nn
 
 
 class ChunkedLogprobs(torch.autograd.Function):
-    """hidden [T, H], weight [V, H], targets [T] -> [T, 2]: log softmax(h W^T / t)[target] and the entropy."""
+    """hidden [T, H], weight [V, H], targets [T] -> [T, 2]: log softmax(h W^T / t)[target] and the entropy, of the
+    distribution after top-k / top-p (top_k = 0 and top_p = 1: none)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
-                entropy: bool) -> torch.Tensor:
+                entropy: bool, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
         acc = _acc_dtype(weight)
         out = torch.zeros(hidden.shape[0], 2, dtype=acc, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        masked = _masks(top_k, top_p, weight.shape[0])
+        floor = torch.empty(hidden.shape[0] if masked else 0, dtype=acc, device=hidden.device)
         for a in range(0, hidden.shape[0], chunk):
             z = _logits(hidden[a : a + chunk], weight, temperature)
-            lse[a : a + chunk] = z.logsumexp(-1)
-            out[a : a + chunk, 0] = z.gather(1, targets[a : a + chunk, None]).squeeze(1) - lse[a : a + chunk]
-            if entropy:  # H = lse - sum(p z)
-                out[a : a + chunk, 1] = lse[a : a + chunk] - (torch.softmax(z, -1) * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse, out)
-        ctx.temperature, ctx.chunk, ctx.entropy = temperature, chunk, entropy
+            t = targets[a : a + chunk, None]
+            if masked:
+                floor[a : a + chunk] = threshold(z, top_k, top_p)
+                kept = _kept(z, floor[a : a + chunk], t)
+                zk = z.masked_fill(~kept, float("-inf"))
+            else:
+                zk = z
+            lse[a : a + chunk] = zk.logsumexp(-1)
+            out[a : a + chunk, 0] = z.gather(1, t).squeeze(1) - lse[a : a + chunk]
+            if entropy:  # H = lse - sum(p z); p is 0 off the kept set, z is finite there
+                out[a : a + chunk, 1] = lse[a : a + chunk] - (torch.softmax(zk, -1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse, out, floor)
+        ctx.temperature, ctx.chunk, ctx.entropy, ctx.masked = temperature, chunk, entropy, masked
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        hidden, weight, targets, lse, out = ctx.saved_tensors
+        hidden, weight, targets, lse, out, floor = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
@@ -57,6 +81,8 @@ class ChunkedLogprobs(torch.autograd.Function):
             h, g = hidden[a : a + chunk], grad[a : a + chunk]
             z = _logits(h, weight, t)
             p = torch.exp(z - lse[a : a + chunk, None])
+            if ctx.masked:  # off the kept set p = 0: no gradient, in the logprob or the entropy
+                p = p.masked_fill(~_kept(z, floor[a : a + chunk], targets[a : a + chunk, None]), 0.0)
             # d logp / dz = onehot(target) - p;  d H / dz = -p (log p + H)
             gz = p * -g[:, :1]
             gz.scatter_add_(1, targets[a : a + chunk, None], g[:, :1])
@@ -67,7 +93,39 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_h[a : a + chunk] = gz @ weight
             if grad_w is not None:
                 grad_w += gz.t() @ h  # the matmul in the weights' dtype (tensor cores), summed in float32
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
+
+
+def _masks(top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether top-k / top-p removes anything (vLLM: top_k 0 or >= the vocabulary, and top_p 1, are off)."""
+    return 0 < top_k < vocab or top_p < 1.0
+
+
+def threshold(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """[N, V] logits (after temperature) -> [N]: the smallest z vLLM's top-k then top-p keeps in each row.
+
+    The same steps as vLLM's apply_top_k_top_p_pytorch, in the same order and dtype, so the boundary token
+    agrees: top-k alone is one topk; top-p sorts ascending, softmaxes what top-k kept, and drops the prefix
+    whose cumulative probability is <= 1 - top_p (never the largest)."""
+    vocab = z.shape[-1]
+    k = top_k if 0 < top_k < vocab else 0
+    if top_p >= 1.0:
+        assert k, "threshold() called with nothing to mask"
+        return z.topk(k, dim=-1).values[:, -1]
+    zs = z.sort(dim=-1).values  # ascending
+    dropped = torch.zeros(zs.shape, dtype=torch.bool, device=z.device)
+    if k:
+        dropped |= zs < zs[:, vocab - k, None]
+    cum = zs.masked_fill(dropped, float("-inf")).softmax(-1).cumsum(-1)
+    dropped |= cum <= 1 - top_p
+    dropped[:, -1] = False
+    # The dropped positions are a prefix of the ascending order: the first kept one is the threshold.
+    return zs.gather(1, dropped.sum(-1, keepdim=True)).squeeze(1)
+
+
+def _kept(z: torch.Tensor, floor: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool: z at or above its row's threshold, and always the target (see the module docstring)."""
+    return (z >= floor[:, None]).scatter_(1, targets, True)
 
 
 def _acc_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -88,6 +146,8 @@ class Scoring:
     temperature: float
     chunk: int  # tokens per chunk of the vocabulary projection
     entropy: bool  # also compute the entropy (else column 1 is 0)
+    top_k: int = 0  # the sampler's top-k (0 = off): score the distribution the actor sampled from
+    top_p: float = 1.0  # the sampler's top-p (1 = off)
 
 
 class ScoringHead(nn.Linear):
@@ -100,7 +160,7 @@ class ScoringHead(nn.Linear):
         if s is None:
             return super().forward(hidden)
         picked = hidden[s.rows, s.cols]  # [T, H]
-        return ChunkedLogprobs.apply(picked, self.weight, s.targets, s.temperature, s.chunk, s.entropy)
+        return ChunkedLogprobs.apply(picked, self.weight, s.targets, s.temperature, s.chunk, s.entropy, s.top_k, s.top_p)
 
 
 def install_scoring_head(model: nn.Module) -> ScoringHead:
@@ -118,10 +178,11 @@ def install_scoring_head(model: nn.Module) -> ScoringHead:
 
 @contextlib.contextmanager
 def scoring(head: ScoringHead, rows: torch.Tensor, cols: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
-            entropy: bool) -> Iterator[None]:
+            entropy: bool, top_k: int = 0, top_p: float = 1.0) -> Iterator[None]:
     """Inside: a forward of the model returns `[T, 2]` as its "logits". Only the head is armed, and it is not
     re-run by activation checkpointing (that recomputes decoder layers), so the block may end after the forward."""
-    head.scoring = Scoring(rows=rows, cols=cols, targets=targets, temperature=temperature, chunk=chunk, entropy=entropy)
+    head.scoring = Scoring(rows=rows, cols=cols, targets=targets, temperature=temperature, chunk=chunk, entropy=entropy,
+                           top_k=top_k, top_p=top_p)
     try:
         yield
     finally:
@@ -129,11 +190,13 @@ def scoring(head: ScoringHead, rows: torch.Tensor, cols: torch.Tensor, targets: 
 
 
 def score_tokens(model: nn.Module, head: ScoringHead, mb, temperature: float, chunk: int, entropy: bool,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                 device: torch.device, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [T], entropies [T]) of a TokenBatch's completion tokens under `model` (whose lm_head is `head`),
-    on `device`; the entropies are 0 unless `entropy`."""
+    on `device`, of the distribution sampled with `temperature`, `top_k` and `top_p`; the entropies (of that same
+    distribution) are 0 unless `entropy`."""
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.model_kwargs().items()}
-    with scoring(head, mb.score_rows.to(device), mb.score_cols.to(device), mb.targets.to(device), temperature, chunk, entropy):
+    with scoring(head, mb.score_rows.to(device), mb.score_cols.to(device), mb.targets.to(device), temperature, chunk, entropy,
+                 top_k, top_p):
         # use_cache=False: with a KV cache transformers would not keep packed samples apart.
         out = model(**kwargs, use_cache=False).logits
     return out[:, 0], out[:, 1]

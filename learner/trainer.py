@@ -282,7 +282,8 @@ class Trainer:
             self.engine.eval()
             out["prox"] = self._score(mb, entropy=False)[0]
         if self.reference is not None:
-            out["ref"] = self.reference.logprobs(mb, self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens)
+            out["ref"] = self.reference.logprobs(mb, self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens,
+                                                 top_k=self.cfg.rollout.top_k, top_p=self.cfg.rollout.top_p)
         if self.critic is not None:
             self.critic.eval()
             values = self.critic(**self._kwargs(mb))
@@ -313,8 +314,9 @@ class Trainer:
 
     def _score(self, mb: TokenBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's (logprobs, entropies) of the micro-batch's completion tokens, on the device."""
-        return score_tokens(self.engine, self.head, mb, self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens,
-                            entropy, self.topo.device)
+        r = self.cfg.rollout  # the distribution the actors sampled from: temperature, then top-k and top-p
+        return score_tokens(self.engine, self.head, mb, r.temperature, self.cfg.train.logprob_chunk_tokens, entropy, self.topo.device,
+                            top_k=r.top_k, top_p=r.top_p)
 
     def _micro_step(self, mb: TokenBatch, extra: dict[str, torch.Tensor], total_tokens: int, scale: float, first_step: bool) -> torch.Tensor:
         self.engine.train()

@@ -7,6 +7,7 @@ The same file serves the learner and the actors. Every field has a one-line doc
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 import typing
 from collections.abc import Callable
@@ -52,7 +53,13 @@ class RolloutConfig:
     samples_per_prompt: int = 16  # completions per prompt (the GRPO group size; 16 as in DAPO)
     max_tokens: int = 4  # generation length limit per completion
     temperature: float = 1.0  # sampling temperature; behaviour logprobs are taken after it
-    reward_fn: str = "actors.rewards:exact_match"  # import path `package.module:function`
+    top_p: float = 1.0  # nucleus sampling: the most likely tokens up to this mass (1 = off); the learner scores the same
+    top_k: int = 0  # sample among the k most likely tokens (0 = off); the learner scores the same
+    stop: list[str] = field(default_factory=list)  # stop strings: generation ends at the first one (finish reason "stop")
+    include_stop_str_in_output: bool = False  # the reward's text keeps the stop string that ended it (ORZ's "</answer>"); eval too
+    reward_fn: str = "actors.rewards:exact_match"  # import path `package.module:function` (built-ins: actors/rewards)
+    reward_timeout_s: float = 10.0  # a reward call running longer is killed (its worker replaced) and scores 0, counted an error
+    reward_workers: int = 2  # processes per actor that run the reward function, off the actor's event loop
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,6 +127,9 @@ class EvalConfig:
     every_steps: int = 0  # evaluate the validation and test sets every N updates (0 = never)
     greedy: bool = True  # greedy decoding for evaluation; false = sample like training
     samples: int = 1  # completions per eval prompt when sampling
+    top_p: float = 1.0  # nucleus sampling for evaluation when eval.greedy = false (1 = off)
+    top_k: int = 0  # top-k sampling for evaluation when eval.greedy = false (0 = off)
+    stop: list[str] = field(default_factory=list)  # stop strings for evaluation (greedy or not); set them as rollout.stop's
     max_prompts: int = 0  # evaluate at most this many prompts per set (0 = all)
     timeout_s: float = 300.0  # an eval round unfinished after this long is recorded partial (eval/*/prompts says how many)
 
@@ -243,6 +253,12 @@ class _Override:
 
 
 def _coerce(name: str, typ: type, value: Any) -> Any:
+    if typing.get_origin(typ) is list:  # list[str] (rollout.stop): a TOML array, also on the command line
+        value = value.value if isinstance(value, _Override) else value
+        (item,) = typing.get_args(typ)
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise ConfigError(f"{name}: expected a list of {item.__name__} such as [\"a\", \"b\"], got {value!r}")
+        return list(value)
     if isinstance(value, _Override):
         value = value.text if typ is str else value.value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
@@ -303,7 +319,12 @@ def _check(cfg: Config) -> None:
          f"algo.advantage = {cfg.algo.advantage} needs >= 2 per group (only gae works with 1)")
     need(cfg.rollout.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
+    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", f"{cfg.rollout.top_p} must be in (0, 1] (1 = off)")
+    need(cfg.rollout.top_k >= 0, "rollout.top_k", f"{cfg.rollout.top_k} must be >= 0 (0 = off)")
+    need(all(cfg.rollout.stop), "rollout.stop", "an empty stop string would stop every completion at once")
     need(":" in cfg.rollout.reward_fn, "rollout.reward_fn", "must look like package.module:function")
+    need(cfg.rollout.reward_timeout_s > 0, "rollout.reward_timeout_s", "must be > 0")
+    need(cfg.rollout.reward_workers >= 1, "rollout.reward_workers", "must be >= 1")
     need(cfg.train.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
     need(cfg.train.total_steps >= 1, "train.total_steps", "must be >= 1")
     need(cfg.train.lr > 0, "train.lr", "must be > 0")
@@ -338,6 +359,9 @@ def _check(cfg: Config) -> None:
     need(cfg.cluster.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be > 0")
     need(cfg.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 = never)")
     need(cfg.eval.samples >= 1, "eval.samples", "must be >= 1")
+    need(0 < cfg.eval.top_p <= 1, "eval.top_p", f"{cfg.eval.top_p} must be in (0, 1] (1 = off)")
+    need(cfg.eval.top_k >= 0, "eval.top_k", f"{cfg.eval.top_k} must be >= 0 (0 = off)")
+    need(all(cfg.eval.stop), "eval.stop", "an empty stop string would stop every completion at once")
     need(cfg.eval.max_prompts >= 0, "eval.max_prompts", "must be >= 0 (0 = all)")
     need(cfg.eval.timeout_s > 0, "eval.timeout_s", "must be > 0")
     need(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
@@ -429,6 +453,8 @@ def dump_toml(cfg: Config) -> str:
                 text = "true" if value else "false"
             elif isinstance(value, str):
                 text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            elif isinstance(value, list):  # JSON's string escapes are TOML's ("\n" is a common stop string)
+                text = "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]"
             else:
                 text = repr(value)
             lines.append(f"{key} = {text}")

@@ -1,46 +1,63 @@
-"""Prompt sets: the built-in addition task, or local JSONL / Parquet files of prompts with answers.
+"""Prompt sets: the built-in addition task, or rows read through Hugging Face `datasets` and rendered.
 
-    data.path --read--> rows --split by data.val_fraction (seeded, by prompt text)--> train | val
-    data.test_path --read--> test
+    data.path --read (learner/data_sources.py), render (learner/data_rows.py)--> rows
+        --split by data.val_fraction (seeded, by prompt text)--> train | val
+    data.test_path --read, render--> test
+    each set: tokenize, drop prompts over the budget (actor.max_model_len - rollout.max_tokens), logged
 
-Only the training split becomes the ledger's PromptSet; the validation and test
-sets are evaluated by the actors and never trained on. The split goes by distinct
-prompt text, so a prompt repeated in the file cannot sit on both sides.
-Errors name the file and the line (JSONL, 1-based) or row (Parquet, 0-based) and column.
+Only the training split becomes the ledger's PromptSet; the validation and test sets are evaluated by the
+actors and never trained on. The split goes by distinct rendered prompt text, so a prompt repeated in the
+file cannot sit on both sides. A prompt longer than the budget could not generate rollout.max_tokens
+tokens inside the engine's context, so it is dropped at load, never granted; none left is an error.
+Errors name the file, the row (0-based) and the column.
 """
 
 from __future__ import annotations
 
-import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
+from learner.data_rows import Row, check_chat_template, read_rows
 from protocol.config import Config, ConfigError
+from protocol.logs import get_logger
 
-Item = tuple[str, str]  # (prompt text, reference answer)
+Item = tuple[str, str]  # (prompt text, reference answer): the built-in task's rows; a Row adds its metadata
 
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    text: str
+    text: str  # as the model sees it: templates applied
     answer: str
     tokens: np.ndarray  # int32 [prompt_len]
+    metadata: str = "{}"  # JSON object of the row's other columns, for the reward
 
 
 class PromptSet:
-    def __init__(self, items: list[Item], tokenizer, name: str = "data"):
+    """Rows tokenized; with `max_tokens` > 0 the longer ones are dropped (counted in `dropped`)."""
+
+    def __init__(self, items: Sequence[Item | Row], tokenizer, name: str = "data", max_tokens: int = 0):
         if not items:
             raise ConfigError(f"{name}: the prompt set is empty")
-        self.items = []
-        for i, (text, answer) in enumerate(items):
-            tokens = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
-            if tokens.shape[0] == 0:
-                raise ConfigError(f"{name}: prompt {i} ({text[:40]!r}) tokenizes to no tokens")
-            self.items.append(Prompt(text, answer, tokens))
+        texts = [it[0] for it in items]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        self.items: list[Prompt] = []
+        self.dropped = 0
+        for i, (item, tokens) in enumerate(zip(items, ids, strict=True)):
+            if not tokens:
+                raise ConfigError(f"{name}: prompt {i} ({item[0][:40]!r}) tokenizes to no tokens")
+            if max_tokens and len(tokens) > max_tokens:
+                self.dropped += 1
+                continue
+            metadata = item[2] if len(item) > 2 else "{}"
+            self.items.append(Prompt(item[0], item[1], np.asarray(tokens, dtype=np.int32), metadata))
+        if not self.items:
+            raise ConfigError(
+                f"{name}: all {len(items)} prompts are longer than {max_tokens} tokens, the budget actor.max_model_len - "
+                "rollout.max_tokens: raise actor.max_model_len or lower rollout.max_tokens")
 
     def __len__(self) -> int:
         return len(self.items)
@@ -65,80 +82,14 @@ def addition_items(max_operand: int = 9) -> list[Item]:
     return [(f"{a}+{b}=", str(a + b)) for a in range(max_operand + 1) for b in range(max_operand + 1)]
 
 
-def _item(row: Any, where: str, prompt_key: str, answer_key: str) -> Item:
-    """One row -> (prompt, answer); ConfigError saying where and which column is wrong."""
-    if not isinstance(row, dict):
-        raise ConfigError(f"{where}: expected an object with {prompt_key!r} and {answer_key!r}, got {type(row).__name__}")
-    for key in (prompt_key, answer_key):
-        if key not in row:
-            raise ConfigError(f"{where}: missing column {key!r} (has: {', '.join(map(repr, row)) or 'nothing'})")
-    prompt, answer = row[prompt_key], row[answer_key]
-    if not isinstance(prompt, str):
-        raise ConfigError(f"{where}: column {prompt_key!r} must be a string, got {type(prompt).__name__} {prompt!r:.40}")
-    if not prompt:
-        raise ConfigError(f"{where}: column {prompt_key!r} is empty")
-    # Numeric answers are common in math sets ("answer": 42); they are compared as text.
-    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-        raise ConfigError(f"{where}: column {answer_key!r} must be a string or number, got {type(answer).__name__} {answer!r:.40}")
-    return prompt, str(answer)
+T = TypeVar("T", bound=tuple)
 
 
-def read_jsonl(path: Path, prompt_key: str, answer_key: str, field: str) -> list[Item]:
-    items = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{field}: {path}: line {n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not valid JSON ({e})") from e
-            items.append(_item(row, where, prompt_key, answer_key))
-    return items
-
-
-def read_parquet(path: Path, prompt_key: str, answer_key: str, field: str) -> list[Item]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        schema = pq.read_schema(path)
-    except pa.ArrowInvalid as e:
-        raise ConfigError(f"{field}: {path}: not a readable Parquet file ({e})") from e
-    for key in (prompt_key, answer_key):
-        if key not in schema.names:
-            raise ConfigError(f"{field}: {path}: missing column {key!r} (has: {', '.join(map(repr, schema.names))})")
-    table = pq.read_table(path, columns=[prompt_key, answer_key])
-    prompts, answers = table.column(prompt_key).to_pylist(), table.column(answer_key).to_pylist()
-    return [
-        _item({prompt_key: p, answer_key: a}, f"{field}: {path}: row {i} (0-based)", prompt_key, answer_key)
-        for i, (p, a) in enumerate(zip(prompts, answers, strict=True))
-    ]
-
-
-READERS = {".jsonl": read_jsonl, ".parquet": read_parquet}
-
-
-def read_items(path: str, prompt_key: str, answer_key: str, field: str) -> list[Item]:
-    """A prompt file by extension; `field` (data.path, data.test_path) prefixes every error."""
-    p = Path(path)
-    reader = READERS.get(p.suffix.lower())
-    if reader is None:
-        raise ConfigError(f"{field}: {path}: unknown extension {p.suffix!r} (expected {' or '.join(READERS)})")
-    if not p.is_file():
-        raise ConfigError(f"{field}: {path} not found")
-    items = reader(p, prompt_key, answer_key, field)
-    if not items:
-        raise ConfigError(f"{field}: {path}: no rows")
-    return items
-
-
-def split_holdout(items: list[Item], fraction: float, seed: int) -> tuple[list[Item], list[Item]]:
+def split_holdout(items: list[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
     """(train, held out): `fraction` of the distinct prompt texts, chosen by `seed`; file order kept on each side."""
     if fraction == 0:
         return items, []
-    texts = list(dict.fromkeys(text for text, _ in items))
+    texts = list(dict.fromkeys(it[0] for it in items))
     n_out = max(1, round(fraction * len(texts)))  # a nonzero fraction asks for at least one prompt
     if n_out >= len(texts):
         raise ConfigError(
@@ -150,11 +101,27 @@ def split_holdout(items: list[Item], fraction: float, seed: int) -> tuple[list[I
 
 def load_datasets(cfg: Config, tokenizer) -> Datasets:
     d = cfg.data
-    items = addition_items() if d.task == "addition" else read_items(d.path, d.prompt_key, d.answer_key, "data.path")
+    test: list[Row] = []
+    if d.task == "file" or d.test_path:
+        check_chat_template(d, tokenizer)
+    if d.task == "addition":
+        items = [Row(text, answer) for text, answer in addition_items()]
+    else:
+        items = read_rows(d.path, "data.path", d, tokenizer, d.split)
+    if d.test_path:
+        test = read_rows(d.test_path, "data.test_path", d, tokenizer, d.test_split)
     train, val = split_holdout(items, d.val_fraction, cfg.run.seed)
-    test = read_items(d.test_path, d.prompt_key, d.answer_key, "data.test_path") if d.test_path else []
-    return Datasets(
-        train=PromptSet(train, tokenizer, "data.path"),
-        val=PromptSet(val, tokenizer, "data.val_fraction") if val else None,
-        test=PromptSet(test, tokenizer, "data.test_path") if test else None,
+    budget = cfg.actor.max_model_len - cfg.rollout.max_tokens
+    data = Datasets(
+        train=PromptSet(train, tokenizer, "data.path", budget),
+        val=PromptSet(val, tokenizer, "data.val_fraction", budget) if val else None,
+        test=PromptSet(test, tokenizer, "data.test_path", budget) if test else None,
     )
+    sets = {"train": data.train, **data.eval_sets()}
+    log = get_logger()
+    dropped = {name: s.dropped for name, s in sets.items() if s.dropped}
+    if dropped:
+        log.warning("data.too_long", dropped=dropped, budget_tokens=budget,
+                    why="prompt longer than actor.max_model_len - rollout.max_tokens")
+    log.info("data.loaded", **{name: len(s) for name, s in sets.items()}, example=data.train[0].text[:300])
+    return data

@@ -116,7 +116,7 @@ class EvalRound:
         return m.EvalGrant(
             eval_round=self.round_id, split=t.split, prompt_id=t.prompt_id, prompt_tokens=t.prompt.tokens,
             answer=t.prompt.answer, policy_version=self.version, n=self.sampling.n, temperature=self.sampling.temperature,
-            seed=t.seed, lease_s=self.lease_s)
+            seed=t.seed, lease_s=self.lease_s, prompt=t.prompt.text, metadata=t.prompt.metadata)
 
     def receive(self, msg: m.EvalResult) -> str | None:
         """Take a result (the first one for its prompt wins). Returns why it was rejected, or None."""

@@ -588,7 +588,8 @@ class Hub:
                     prompt = self.prompts[key[1]]
                     sends.append((state.identity, m.WorkGrant(
                         prompt_id=key[1], epoch=key[0], prompt_tokens=prompt.tokens, answer=prompt.answer,
-                        policy_version=min_version, lease_s=self.cfg.staleness.lease_s)))
+                        policy_version=min_version, lease_s=self.cfg.staleness.lease_s, prompt=prompt.text,
+                        metadata=prompt.metadata)))
             self.counters["granted"] += len(sends)
         if granted:  # debug: lets an operator (and the multi-host test) follow which actor holds which prompt
             self.log.debug("hub.granted", grants=granted)

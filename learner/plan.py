@@ -164,24 +164,15 @@ def held_out(rows: int, val_fraction: float) -> int:
     return 0 if val_fraction == 0 else max(1, round(val_fraction * rows))
 
 
-def count_rows(path: Path) -> int:
-    """Rows of a .jsonl (non-blank lines) or .parquet prompt file, without parsing the rows."""
-    if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
-
-        return int(pq.ParquetFile(path).metadata.num_rows)
-    with path.open(encoding="utf-8") as f:
-        return sum(1 for line in f if line.strip())
-
-
 def prompt_count(cfg: Config) -> tuple[int | None, str]:
     """Training prompts and where the number comes from: the set when at hand, else data.num_prompts."""
     from learner.data import addition_items
+    from learner.data_sources import count_rows
 
     d = cfg.data
     if d.task == "addition":
         rows, source = len(addition_items()), "data.task = addition"
-    elif Path(d.path).is_file():
+    elif Path(d.path).exists():  # a file or a folder; a hub id is not here
         rows, source = count_rows(Path(d.path)), f"rows of {d.path}"
     elif d.num_prompts > 0:
         rows, source = d.num_prompts, f"data.num_prompts ({d.path} is not here)"

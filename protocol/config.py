@@ -36,14 +36,25 @@ class ModelConfig:
     arch: str = ""  # a config.json of the model's architecture, for `fleetrl plan` when model.path is not here (configs/models/)
 
 
+DATA_FORMATS = ("plain", "orz", "verl", "open_instruct")  # data.format: learner/data_rows.py's FORMATS
+
+
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    task: str = "addition"  # built-in prompt set ("addition"), or "file" with `path`
-    path: str = ""  # .jsonl or .parquet prompt set with prompt/answer columns when task = "file"
-    prompt_key: str = "prompt"  # column (JSONL key) holding the prompt text
-    answer_key: str = "answer"  # column (JSONL key) holding the reference answer
+    task: str = "addition"  # built-in prompt set ("addition"), or "file": the rows at `path`
+    path: str = ""  # prompt set when task = "file": a .json/.jsonl/.parquet file, a folder of them, or a hub dataset id
+    format: str = "plain"  # column mapping: plain (prompt, answer) | orz | verl | open_instruct (learner/data_rows.py)
+    prompt_key: str = ""  # column holding the prompt, a string or chat messages; dotted for nested ("" = data.format's)
+    answer_key: str = ""  # column holding the reference answer; dotted for nested, e.g. reward_model.ground_truth ("" = data.format's)
+    prompt_template: str = ""  # a string prompt's text: "{prompt}" (and "{bos_token}") replaced ("" = data.format's; plain: "{prompt}")
+    chat_template: bool = False  # render string prompts as a user turn through the tokenizer's chat template (chat lists always are)
+    metadata_keys: list[str] = field(default_factory=list)  # columns sent to the reward as metadata (dotted ok); [] = all but prompt and answer
+    max_metadata_bytes: int = 65536  # a row's metadata JSON above this is an error: every grant carries it, the learner holds all
+    split: str = "train"  # split of a hub dataset at data.path
+    subset: str = ""  # hub dataset configuration name (e.g. "main" for openai/gsm8k); "" = its default
     val_fraction: float = 0.0  # share of the prompt set held out for validation (never trained on)
-    test_path: str = ""  # separate .jsonl/.parquet test set, evaluated like the validation split
+    test_path: str = ""  # separate test set (same forms as data.path), evaluated like the validation split
+    test_split: str = "test"  # split of a hub dataset at data.test_path
     epochs: int = 1000  # passes over the prompt set (the run stops at train.total_steps first)
     num_prompts: int = 0  # size of the prompt set when the file is not at hand, for `fleetrl plan` (0 = unknown)
 
@@ -311,6 +322,11 @@ def _check(cfg: Config) -> None:
     need(cfg.model.num_params >= 0, "model.num_params", "must be >= 0 (0 = count from model.path)")
     need(cfg.data.task in ("addition", "file"), "data.task", "must be 'addition' or 'file'")
     need(cfg.data.task != "file" or bool(cfg.data.path), "data.path", "required when data.task = 'file'")
+    need(cfg.data.format in DATA_FORMATS, "data.format", f"{cfg.data.format!r} must be one of {', '.join(DATA_FORMATS)}")
+    need(not cfg.data.prompt_template or "{prompt}" in cfg.data.prompt_template, "data.prompt_template",
+         "must contain {prompt}, where the row's prompt goes")
+    need(all(cfg.data.metadata_keys), "data.metadata_keys", "an empty column name")
+    need(cfg.data.max_metadata_bytes >= 2, "data.max_metadata_bytes", "must be >= 2 (the empty object {})")
     need(0 <= cfg.data.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
     need(cfg.data.epochs >= 1, "data.epochs", "must be >= 1")
     need(cfg.data.num_prompts >= 0, "data.num_prompts", "must be >= 0 (0 = unknown)")
@@ -451,8 +467,8 @@ def dump_toml(cfg: Config) -> str:
         for key, value in values.items():
             if isinstance(value, bool):
                 text = "true" if value else "false"
-            elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            elif isinstance(value, str):  # JSON's escapes are TOML's: a newline (prompt templates have them) stays "\\n"
+                text = json.dumps(value, ensure_ascii=False)
             elif isinstance(value, list):  # JSON's string escapes are TOML's ("\n" is a common stop string)
                 text = "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]"
             else:

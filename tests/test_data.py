@@ -1,20 +1,32 @@
-"""Prompt sets from JSONL and Parquet, errors that say where, and the held-out validation split."""
+"""Prompt sets read through `datasets` (JSON, JSON Lines, Parquet, folders, hub ids), errors that say where,
+prompts over the token budget dropped, and the held-out validation split."""
 
+import dataclasses
 import json
+import tomllib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from structlog.testing import capture_logs
 
 from deploy.tiny import build_tokenizer
-from learner.data import addition_items, load_datasets, read_items, split_holdout
-from protocol.config import ConfigError, load_config
+from learner.data import addition_items, load_datasets, split_holdout
+from learner.data_rows import FORMATS, read_rows
+from learner.data_sources import count_rows
+from protocol.config import DATA_FORMATS, ConfigError, dump_toml, load_config
 
 ROWS = [{"q": f"{a}+{b}=", "a": a + b, "extra": "x"} for a in range(5) for b in range(4)]  # 20 rows, int answers
+TOK = build_tokenizer()
 
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def write_json(path, rows):
+    path.write_text(json.dumps(rows))
     return str(path)
 
 
@@ -23,56 +35,88 @@ def write_parquet(path, rows):
     return str(path)
 
 
-def test_jsonl_and_parquet_read_the_same_items_with_configured_keys(tmp_path):
-    from_jsonl = read_items(write_jsonl(tmp_path / "p.jsonl", ROWS), "q", "a", "data.path")
-    from_parquet = read_items(write_parquet(tmp_path / "p.parquet", ROWS), "q", "a", "data.path")
-    assert from_jsonl == from_parquet
-    assert len(from_jsonl) == 20 and from_jsonl[7] == ("1+3=", "4")  # numeric answers become text
+def read(path, *overrides, field="data.path"):
+    cfg = load_config(None, ["data.task=file", f"data.path={path}", *overrides])
+    return read_rows(str(path), field, cfg.data, TOK, cfg.data.split)
 
 
-def test_jsonl_errors_name_file_line_and_column(tmp_path):
+def test_json_jsonl_parquet_and_a_folder_read_the_same_rows(tmp_path):
+    keys = ("data.prompt_key=q", "data.answer_key=a")
+    from_jsonl = read(write_jsonl(tmp_path / "p.jsonl", ROWS), *keys)
+    from_json = read(write_json(tmp_path / "p.json", ROWS), *keys)  # one JSON array
+    from_parquet = read(write_parquet(tmp_path / "p.parquet", ROWS), *keys)
+    assert from_jsonl == from_json == from_parquet
+    assert len(from_jsonl) == 20 and from_jsonl[7] == ("1+3=", "4", '{"extra": "x"}')  # numeric answers become text
+    folder = tmp_path / "shards"
+    (folder / "sub").mkdir(parents=True)
+    write_parquet(folder / "a.parquet", ROWS[:8])
+    write_jsonl(folder / "sub" / "b.jsonl", ROWS[8:])
+    (folder / "README.md").write_text("not data")  # other files are not read
+    assert read(folder, *keys) == from_jsonl  # sorted by path: a.parquet, then sub/b.jsonl
+    assert count_rows(folder) == 20 and count_rows(tmp_path / "p.json") == 20 and count_rows(tmp_path / "p.jsonl") == 20
+
+
+def test_errors_name_file_row_and_column(tmp_path):
     path = tmp_path / "bad.jsonl"
     cases = [
-        ([{"q": "1+1=", "a": 2}, {"q": "2+2=", "a": 4}, {"a": 3}], "line 3: missing column 'q'"),
-        ([{"q": "1+1=", "a": 2}, {"q": 5, "a": 4}], "line 2: column 'q' must be a string, got int"),
-        ([{"q": "1+1="}], "line 1: missing column 'a'"),
-        ([{"q": "", "a": 1}], "line 1: column 'q' is empty"),
-        ([{"q": "1+1=", "a": None}], "line 1: column 'a' must be a string or number, got NoneType"),
-        ([[1, 2]], "line 1: expected an object"),
+        ([{"q": "1+1=", "a": 2}, {"q": "2+2=", "a": 4}, {"a": 3}], "row 2 (0-based): column 'q' is missing or null"),
+        ([{"q": "1+1=", "a": 2}, {"q": 5, "a": 4}], "row 1 (0-based): column 'q' must be a string or a list of chat messages"),
+        ([{"q": "", "a": 1}], "row 0 (0-based): column 'q' is empty"),
+        ([{"q": "1+1=", "a": None}], "row 0 (0-based): column 'a' is missing or null"),
+        ([{"q": "1+1=", "a": True}], "row 0 (0-based): column 'a' must be a string or number, got bool"),
+        ([{"q": "1+1=", "a": {"x": 1}}], "row 0 (0-based): column 'a' must be a string or number, got dict"),
+        ([{"q": [{"role": "user"}], "a": 1}], "column 'q', message 0: expected {\"role\": str, \"content\": str}"),
+        ([{"q": [{"role": "assistant", "content": "2"}], "a": 2}], "column 'q' has no message before the assistant's reply"),
+        ([{"x": "1+1=", "a": 2}], "no columns 'q' and 'a' for data.format = 'plain' (has: 'x', 'a')"),
     ]
     for rows, expected in cases:
         write_jsonl(path, rows)
         with pytest.raises(ConfigError) as err:
-            read_items(str(path), "q", "a", "data.path")
+            read(path, "data.prompt_key=q", "data.answer_key=a")
         assert str(err.value).startswith(f"data.path: {path}: ") and expected in str(err.value), str(err.value)
     path.write_text('{"q": "1+1=", "a": 2}\n\n{"q": "2+2=", "a": \n')  # blank line skipped, line 3 broken
-    with pytest.raises(ConfigError, match=r"line 3: not valid JSON"):
-        read_items(str(path), "q", "a", "data.path")
+    with pytest.raises(ConfigError, match=r"bad.jsonl: line 3: not valid JSON"):
+        read(path)
+    path.write_bytes(b'\xff\xfe{"q": "1+1=", "a": 2}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl: not UTF-8 text"):
+        read(path)
     path.write_text("\n  \n")
     with pytest.raises(ConfigError, match=r"data.test_path: .*bad.jsonl: no rows"):
-        read_items(str(path), "q", "a", "data.test_path")
-
-
-def test_parquet_errors_name_row_and_column(tmp_path):
-    path = write_parquet(tmp_path / "p.parquet", [{"q": "1+1=", "a": "2"}, {"q": None, "a": "3"}])
-    with pytest.raises(ConfigError, match=r"p.parquet: row 1 \(0-based\): column 'q' must be a string, got NoneType"):
-        read_items(path, "q", "a", "data.path")
-    with pytest.raises(ConfigError, match=r"missing column 'prompt' \(has: 'q', 'a'\)"):
-        read_items(path, "prompt", "a", "data.path")
+        read(path, field="data.test_path")
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
-    with pytest.raises(ConfigError, match=r"junk.parquet: not a readable Parquet file"):
-        read_items(str(tmp_path / "junk.parquet"), "q", "a", "data.path")
-    empty = str(tmp_path / "empty.parquet")
-    pq.write_table(pa.table({"q": pa.array([], pa.string()), "a": pa.array([], pa.string())}), empty)
-    with pytest.raises(ConfigError, match=r"empty.parquet: no rows"):
-        read_items(empty, "q", "a", "data.path")
+    with pytest.raises(ConfigError, match=r"junk.parquet: not readable as parquet \(ArrowInvalid: Parquet magic bytes"):
+        read(tmp_path / "junk.parquet")
+    with pytest.raises(ConfigError, match=r"p.csv: unknown extension '.csv' \(expected .json, .jsonl or .parquet\)"):
+        (tmp_path / "p.csv").write_text("q,a\n")
+        read(tmp_path / "p.csv")
+    with pytest.raises(ConfigError, match=r"data.path: .*nope.jsonl not found"):
+        read(tmp_path / "nope.jsonl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"empty: a folder with no .json, .jsonl or .parquet files"):
+        read(tmp_path / "empty")
 
 
-def test_unknown_extension_and_missing_file(tmp_path):
-    with pytest.raises(ConfigError, match=r"data.path: .*p.csv: unknown extension '.csv' \(expected .jsonl or .parquet\)"):
-        read_items(str(tmp_path / "p.csv"), "q", "a", "data.path")
-    with pytest.raises(ConfigError, match=r"data.test_path: .*nope.jsonl not found"):
-        read_items(str(tmp_path / "nope.jsonl"), "q", "a", "data.test_path")
+def test_a_hub_id_without_network_fails_in_one_line():
+    # conftest sets HF_HUB_OFFLINE=1: no network here, and the failure is immediate instead of after retries.
+    with pytest.raises(ConfigError) as err:
+        read("someone/some-math-set", "data.split=validation")
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("data.path: 'someone/some-math-set' is not a local file or folder")
+    assert "hub dataset someone/some-math-set, split 'validation' failed" in text and "Couldn't reach" in text
+
+
+def test_prompts_over_the_budget_are_dropped_and_counted(tmp_path):
+    rows = [{"prompt": "1" * n, "answer": "1"} for n in (5, 50, 10, 61, 60)]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    # Budget: actor.max_model_len 64 - rollout.max_tokens 4 = 60 prompt tokens (one per character here).
+    with capture_logs() as logs:
+        data = load_datasets(load_config(None, ["data.task=file", f"data.path={path}", "rollout.max_tokens=4"]), TOK)
+    assert [len(p.tokens) for p in data.train.items] == [5, 50, 10, 60] and data.train.dropped == 1
+    too_long = [e for e in logs if e["event"] == "data.too_long"]
+    assert len(too_long) == 1 and too_long[0]["dropped"] == {"train": 1} and too_long[0]["budget_tokens"] == 60
+    assert any(e["event"] == "data.loaded" and e["train"] == 4 for e in logs)
+    with pytest.raises(ConfigError, match=r"data.path: all 5 prompts are longer than 3 tokens, the budget actor.max_model_len"):
+        load_datasets(load_config(None, ["data.task=file", f"data.path={path}", "actor.max_model_len=8", "rollout.max_tokens=5"]), TOK)
 
 
 def test_split_is_deterministic_disjoint_and_sized():
@@ -94,10 +138,9 @@ def test_split_is_deterministic_disjoint_and_sized():
 
 
 def test_load_datasets_trains_only_on_the_training_split(tmp_path):
-    tok = build_tokenizer()
     test_file = write_parquet(tmp_path / "test.parquet", [{"prompt": "9+9=", "answer": "18"}, {"prompt": "8+9=", "answer": "17"}])
     cfg = load_config(None, ["data.val_fraction=0.25", f"data.test_path={test_file}", "run.seed=7"])
-    data = load_datasets(cfg, tok)
+    data = load_datasets(cfg, TOK)
     assert data.val is not None and data.test is not None
     assert (len(data.train), len(data.val), len(data.test)) == (75, 25, 2)
     train_texts = {p.text for p in data.train.items}
@@ -105,11 +148,30 @@ def test_load_datasets_trains_only_on_the_training_split(tmp_path):
     assert [p.answer for p in data.test.items] == ["18", "17"]
     assert list(data.eval_sets()) == ["val", "test"]
     assert data.train[0].tokens.dtype.name == "int32" and len(data.train[0].tokens) == 4
-    assert {p.text for p in load_datasets(cfg, tok).val.items} == {p.text for p in data.val.items}  # reproducible
+    assert {p.text for p in load_datasets(cfg, TOK).val.items} == {p.text for p in data.val.items}  # reproducible
 
     rows = write_jsonl(tmp_path / "p.jsonl", ROWS)
-    data = load_datasets(load_config(None, ["data.task=file", f"data.path={rows}", "data.prompt_key=q", "data.answer_key=a"]), tok)
+    data = load_datasets(load_config(None, ["data.task=file", f"data.path={rows}", "data.prompt_key=q", "data.answer_key=a"]), TOK)
     assert len(data.train) == 20 and data.val is None and data.test is None and data.eval_sets() == {}
+    assert data.train[0].metadata == '{"extra": "x"}'
+
+
+def test_config_checks_the_data_fields():
+    assert set(DATA_FORMATS) == set(FORMATS)  # the config's list and the loader's mappings agree
+    for override, message in [
+        ("data.format=alpaca", r"data.format: 'alpaca' must be one of plain, orz, verl, open_instruct"),
+        ("data.prompt_template=Q: {question}", r"data.prompt_template: must contain \{prompt\}"),
+        ('data.metadata_keys=["a", ""]', r"data.metadata_keys: an empty column name"),
+        ("data.max_metadata_bytes=1", r"data.max_metadata_bytes: must be >= 2"),
+        ("data.metadata_keys=a", r"data.metadata_keys: expected a list of str"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [override])
+    cfg = load_config(None, ['data.metadata_keys=["dataset", "extra_info.index"]', "data.chat_template=true"])
+    assert cfg.data.metadata_keys == ["dataset", "extra_info.index"] and cfg.data.chat_template
+    # The run directory's config.toml keeps a template's newlines, quotes and backslashes (actors read it back).
+    cfg.data.prompt_template = 'Q: {prompt}\n\tby the \\boxed{} "tag"\nA:'
+    assert tomllib.loads(dump_toml(cfg))["data"] == dataclasses.asdict(cfg.data)
 
 
 def test_config_keeps_checkpoints_on_eval_steps():

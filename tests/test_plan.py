@@ -314,3 +314,32 @@ def test_zero3_snapshot_counts_on_rank_0_unless_kept_on_the_host():
     assert "weight snapshot" in render(device) and "weight snapshot" not in render(host)
     assert plan_of("orz_7b_ppo.toml").snapshot_bytes == 7_615_616_512 * 2
     assert plan_of("orz_7b_ppo.toml", "train.zero_stage=2").snapshot_bytes == 0  # ZeRO-2 serves from the parameters
+
+
+ORZ_STOPS = ["User:", "Human:", "Assistant:", "</answer>"]
+
+
+@pytest.mark.parametrize("name", ["orz_0p5b_ppo.toml", "orz_1p5b_ppo.toml", "orz_7b_ppo.toml", "orz_32b_ppo.toml"])
+def test_orz_recipes_use_orz_stops_reward_data_and_normalisation(name):
+    """Open-Reasoner-Zero's config.py and playground scripts: these stops kept in the text (its answer pattern needs
+    the closing </answer>), 1 only for a stopped right answer, advantages whitened, eval sampled with the same stops."""
+    cfg = load_config(CONFIGS / name)
+    r = cfg.rollout
+    assert (r.stop, r.include_stop_str_in_output, r.top_p, r.top_k, r.reward_fn) == (ORZ_STOPS, True, 1.0, 0, "actors.rewards:orz")
+    assert (cfg.data.format, cfg.data.path) == ("orz", "data/orz_math_57k_collected.json")
+    assert cfg.algo.advantage_normalize and (cfg.eval.greedy, cfg.eval.stop, cfg.eval.top_p) == (False, ORZ_STOPS, 1.0)
+
+
+def test_simplerl_and_open_instruct_recipes_follow_their_sources():
+    s = load_config(CONFIGS / "simplerl_zoo_qwen2.5_7b.toml")
+    assert (s.data.format, s.rollout.reward_fn, s.rollout.top_p, s.eval.top_p) == ("verl", "actors.rewards:math_verify", 1.0, 0.95)
+    t = load_config(CONFIGS / "open_instruct_tulu3_8b_rlvr.toml")
+    assert (t.data.format, t.rollout.reward_fn, t.algo.advantage_normalize) == ("open_instruct", "actors.rewards:open_instruct", True)
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if p.stem != "demo"], ids=lambda p: p.stem)
+def test_recipes_end_with_a_departures_table(path):
+    tail = path.read_text().rstrip().splitlines()
+    header = next(i for i, line in enumerate(tail) if line.startswith("# Departures from"))
+    rows = [line for line in tail[header:] if line.startswith("#   ") and "|" in line]
+    assert len(rows) >= 4 and all(line.startswith("#") for line in tail[header:])  # nothing after the table

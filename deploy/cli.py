@@ -4,25 +4,50 @@
     fleetrl learner --resume RUN_DIR [--config FILE] [section.field=value ...]   continue from RUN_DIR's last checkpoint
     fleetrl actor   --learner tcp://HOST:PORT --config FILE [--id NAME] [section.field=value ...]
     fleetrl demo    [--config FILE] [section.field=value ...]
-    fleetrl plan    CONFIG [section.field=value ...]      placement, batch arithmetic, run length, memory; starts nothing
+    fleetrl plan    [--config] FILE [--check] [section.field=value ...]   placement, batch arithmetic, run length, memory
+    fleetrl check   [--config] FILE [section.field=value ...]   model, tokenizer, data and reward load; starts nothing
+    fleetrl config  --list [PREFIX]                      every config field with its default and doc (TOML)
+    fleetrl config  [--config] FILE [section.field=value ...]   the resolved config (TOML)
     fleetrl ctl     --learner tcp://HOST:PORT set max_staleness K     change a running learner's setting
     fleetrl status  --learner tcp://HOST:PORT [--once]                  live view of the learner and its actors
                     (both: --server-key F --client-key F for a hub with CURVE on)
     fleetrl keys    --out DIR [--client NAME ...]          CURVE keys: the learner's pair, one pair per client
+    fleetrl --version
+
+A mistake of the user's is one line naming the field and the fix, exit 2; its traceback goes to the log file
+(deploy/errors.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
-from protocol.config import ConfigError, load_config
+from deploy.errors import UsageError, report
+from protocol.config import Config, ConfigError, load_config, tcp_port
+from protocol.logs import current_log_file, learner_log_file
 
 
-def main(argv: list[str] | None = None) -> int:
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    from protocol.messages import PROTOCOL_VERSION
+
+    try:
+        number = package_version("fleetrl")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        number = "unknown"
+    return f"fleetrl {number} (wire protocol {PROTOCOL_VERSION})"
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleetrl", description="Asynchronous actor-learner RL post-training with bounded staleness")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
     p_learner = sub.add_parser("learner", help="run the learner (rank 0 hosts the hub)")
     p_learner.add_argument("--config", default=None, help="TOML file (required unless --resume: then RUN_DIR/config.toml)")
@@ -35,39 +60,60 @@ def main(argv: list[str] | None = None) -> int:
     p_demo = sub.add_parser("demo", help="learner + actors on this machine (the embedded default run)")
     p_demo.add_argument("--config", default=None, help="TOML file (default: the built-in demo settings)")
     p_plan = sub.add_parser("plan", help="print the run's plan (placement, batch arithmetic, run length, memory)")
-    p_plan.add_argument("config", help="TOML file")
+    p_plan.add_argument("--check", action="store_true", help="then run `fleetrl check` on the same config")
+    p_check = sub.add_parser("check", help="verify that the model, tokenizer, data and reward load; starts nothing")
+    p_config = sub.add_parser("config", help="print every config field with its default and doc (--list), "
+                                             "or a config file resolved")
+    p_config.add_argument("--list", action="store_true", help="every field, its default and its doc, as TOML")
+    for p in (p_plan, p_check, p_config):
+        p.add_argument("config_file", nargs="?", default=None, metavar="CONFIG", help="TOML file (or --config FILE)")
+        p.add_argument("--config", default=None, help="TOML file")
     p_keys = sub.add_parser("keys", help="generate CURVE keys: the learner's key pair and one key pair per client")
     p_keys.add_argument("--out", required=True, help="key folder (created; an existing server key is kept)")
     p_keys.add_argument("--client", action="append", default=[], metavar="NAME",
                         help="a client key pair to add (repeat; default: one named 'actors' when DIR is new)")
-    for p in (p_learner, p_actor, p_demo, p_plan):
+    for p in (p_learner, p_actor, p_demo, p_plan, p_check, p_config):
         p.add_argument("overrides", nargs="*", metavar="section.field=value")
     _add_ops_commands(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.cfg = None  # the loaded config, once there is one: it says where the log file is
+    before = current_log_file()
+    try:
+        return _run(args, argv)
+    except BrokenPipeError:  # `fleetrl config --list | head`: the reader has gone, nothing went wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python's exit flush fails again
+        return 0
+    except Exception as e:  # the boundary: one line for a user mistake, the traceback to the log file
+        set_up = current_log_file()  # the one this command's process set up, if it got that far
+        return report(args.command, e, set_up if set_up != before else _log_file(args))
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     if args.command in ("ctl", "status"):
         return _run_ops(args)
     if args.command == "keys":
         return _keys(args.out, args.client)
+    if args.command in ("plan", "check", "config"):
+        return _run_offline(args)
+    if args.command == "learner":
+        args.config, args.overrides = _learner_config(args)
+    cfg = args.cfg = load_config(args.config, args.overrides)
+    from protocol import auth
 
-    try:
-        if args.command == "learner":
-            args.config, args.overrides = _learner_config(args)
-        cfg = load_config(args.config, args.overrides)
-        if args.command == "plan":
-            from learner.plan import make_plan, render
+    # Key files and model folders are checked before anything starts (and, for a learner group, before torchrun).
+    if args.command == "learner" and os.environ.get("RANK", "0") == "0":
+        auth.server_keys(cfg)
+    if args.command == "actor":
+        check_address(args.learner, "--learner")
+        auth.client_keys(cfg, args.learner)
+    if args.command in ("learner", "actor"):
+        from learner.model_files import check_model_paths
 
-            print(render(make_plan(cfg)), end="")
-            return 0
-        from protocol import auth
-
-        # Key files are checked before anything starts: a missing or world-readable key is a config error.
-        if args.command == "learner" and os.environ.get("RANK", "0") == "0":
-            auth.server_keys(cfg)
-        if args.command == "actor":
-            auth.client_keys(cfg, args.learner)
-    except ConfigError as e:
-        print(f"fleetrl: config error: {e}", file=sys.stderr)
-        return 2
+        check_model_paths(cfg)
     if args.command == "learner":
         ranks = cfg.cluster.debug_gpus or cfg.cluster.learner_nodes * cfg.cluster.learner_gpus_per_node
         if ranks > 1 and "RANK" not in os.environ:
@@ -76,31 +122,107 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_learner(cfg, resume=args.resume is not None)
     if args.command == "actor":
-        if not args.learner.startswith("tcp://"):
-            print(f"fleetrl: --learner {args.learner!r}: expected tcp://HOST:PORT", file=sys.stderr)
-            return 2
+        from deploy.check import check_reward_import
+
+        check_reward_import(cfg)
         from actors.main import run_actor
 
         return run_actor(cfg, args.learner, args.id)
     from deploy.launch import run_demo
     from protocol.logs import setup_logging
 
-    setup_logging("launcher")
+    setup_logging("launcher", Path(cfg.run.dir) / "logs" / "launcher.jsonl")
     return run_demo(cfg)
+
+
+def _run_offline(args: argparse.Namespace) -> int:
+    """plan, check, config: read the config, start nothing."""
+    if args.command == "config" and args.list:
+        from deploy.config_list import render as render_fields
+        from deploy.config_list import sections
+
+        prefix = args.config_file or args.config or ""
+        if args.overrides:
+            raise UsageError(f"--list [PREFIX]: unexpected {' '.join(args.overrides)}")
+        text = render_fields(prefix)
+        if not text:
+            raise UsageError(f"--list {prefix}: no field's name starts with {prefix!r} (sections: "
+                             f"{', '.join(name for name, _ in sections())})")
+        print(text, end="")
+        return 0
+    path, overrides = _config_argument(args)
+    cfg = args.cfg = load_config(path, overrides)
+    if args.command == "config":
+        from protocol.config import dump_toml
+
+        print(dump_toml(cfg), end="")
+        return 0
+    if args.command == "plan":
+        from learner.plan import make_plan, render
+
+        print(render(make_plan(cfg)), end="")
+        if not args.check:
+            return 0
+        print()
+    from deploy.check import run_check
+    from protocol.logs import setup_logging
+
+    setup_logging("check", level=logging.WARNING)  # the loaders' info lines would repeat what check prints
+    run_check(cfg, sys.stdout)
+    return 0
+
+
+def _config_argument(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """`plan FILE ...` or `plan --config FILE ...`. With --config, argparse gives the first override to CONFIG."""
+    overrides = list(args.overrides)
+    if args.config is not None:
+        if args.config_file is not None:
+            overrides.insert(0, args.config_file)
+        return args.config, overrides
+    if args.config_file is None or "=" in args.config_file:
+        raise UsageError(f"a config file is required: fleetrl {args.command} CONFIG [section.field=value ...] "
+                         "(or --config CONFIG)")
+    return args.config_file, overrides
+
+
+def _log_file(args: argparse.Namespace) -> Path | None:
+    """Where a command's traceback goes before its process set up logging: the log it would have written."""
+    cfg: Config | None = args.cfg
+    if cfg is None:  # the config itself did not load: its error says all there is
+        return None
+    logs = Path(cfg.run.dir) / "logs"
+    if args.command == "learner":
+        return learner_log_file(Path(cfg.run.dir), int(os.environ.get("RANK", "0")))
+    if args.command == "actor":
+        return logs / f"actor-{args.id}.jsonl" if args.id else logs / "actor.jsonl"
+    return logs / ("launcher.jsonl" if args.command == "demo" else "check.jsonl")
+
+
+def check_address(address: str, name: str) -> None:
+    """tcp://HOST:PORT with a host that resolves: ZeroMQ connects to anything and would wait forever."""
+    port = tcp_port(address)
+    if port is None:
+        raise UsageError(f"{name} {address!r}: expected tcp://HOST:PORT with PORT in 1-65535, e.g. tcp://10.0.0.1:5555")
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"{name} {address}: host {host!r} does not resolve ({e.strerror}); "
+                         "give the learner node's name or IP address") from e
 
 
 def _learner_config(args: argparse.Namespace) -> tuple[str, list[str]]:
     """--resume RUN_DIR: the run's own resolved config unless --config is given; run.dir is RUN_DIR."""
     if args.resume is None:
         if args.config is None:
-            raise ConfigError("fleetrl learner: --config FILE is required (or --resume RUN_DIR)")
+            raise UsageError("--config FILE is required (or --resume RUN_DIR)")
         return args.config, args.overrides
     from learner.resume import latest_checkpoint
 
     run_dir = Path(args.resume)
     config = args.config or str(run_dir / "config.toml")
     if latest_checkpoint(run_dir) is None:
-        raise ConfigError(f"--resume {run_dir}: no complete checkpoint with training state in {run_dir / 'checkpoints'}")
+        raise UsageError(f"--resume {run_dir}: no complete checkpoint with training state in {run_dir / 'checkpoints'}")
     return config, [*args.overrides, f"run.dir={run_dir}"]
 
 
@@ -123,17 +245,10 @@ def _add_ops_commands(sub) -> None:
 
 
 def _run_ops(args) -> int:
-    if not args.learner.startswith("tcp://"):
-        print(f"fleetrl: --learner {args.learner!r}: expected tcp://HOST:PORT", file=sys.stderr)
-        return 2
     from protocol.auth import ops_client_keys
-    from protocol.config import ConfigError
 
-    try:
-        keys = ops_client_keys(args.learner, args.server_key, args.client_key)
-    except ConfigError as e:
-        print(f"fleetrl {args.command}: {e}", file=sys.stderr)
-        return 2
+    check_address(args.learner, "--learner")
+    keys = ops_client_keys(args.learner, args.server_key, args.client_key)
     if args.command == "ctl":
         from deploy.ctl import run_ctl
 
@@ -144,8 +259,6 @@ def _run_ops(args) -> int:
 
 
 def _keys(out: str, clients: list[str]) -> int:
-    from pathlib import Path
-
     from protocol import auth
 
     folder = Path(out)
@@ -172,12 +285,12 @@ def _exec_torchrun(cfg, ranks: int, argv: list[str]) -> int:
     Several nodes need one torchrun per node with a shared rendezvous: deploy/learner.sh.
     """
     if cfg.cluster.learner_nodes > 1 and not cfg.cluster.debug_gpus:
-        print(f"fleetrl: cluster.learner_nodes = {cfg.cluster.learner_nodes}: start each node with deploy/learner.sh "
-              "(torchrun with a shared rendezvous)", file=sys.stderr)
-        return 2
+        raise ConfigError(f"cluster.learner_nodes: {cfg.cluster.learner_nodes} nodes: start each node with "
+                          "deploy/learner.sh (torchrun with a shared rendezvous)")
     from protocol.net import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
+    # deploy/torchrun.py is torchrun with our error boundary: one line per distinct rank error, not N tracebacks.
+    cmd = [sys.executable, "-m", "deploy.torchrun", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "deploy.cli", *argv]
     os.execv(sys.executable, cmd)  # keeps the PID: a supervisor's SIGTERM reaches torchrun, which stops every rank
     return 1  # not reached

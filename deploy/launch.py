@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -59,6 +60,22 @@ def demo_model(cfg: Config) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("demo.model_ready", seconds=round(time.perf_counter() - t0, 1), **info)
     return final.absolute()
+
+
+def preflight(cfg: Config) -> None:
+    """What `fleetrl check` verifies, less the reward's sample score: a wrong model folder, data file or reward is one
+    line here (ConfigError), not a learner and N actors failing one after another with their engines half started."""
+    import structlog
+
+    from deploy.check import check_data, check_model, check_reward_import
+
+    previous = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))  # the learner says it again
+    try:
+        check_data(cfg, check_model(cfg).tokenizer)
+        check_reward_import(cfg)
+    finally:
+        structlog.configure(wrapper_class=previous)
 
 
 class Supervisor:
@@ -149,6 +166,7 @@ def run_demo(cfg: Config) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.model.path:
         cfg.model.path = str(demo_model(cfg))
+    preflight(cfg)
     cfg.run.dir = str(run_dir)
     config_file = run_dir / "config.toml"
     config_file.write_text(dump_toml(cfg))

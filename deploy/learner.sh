@@ -6,6 +6,7 @@
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 deploy/learner.sh configs/orz_32b_ppo.toml
 # (cluster.learner_nodes and cluster.learner_gpus_per_node in the config must match.) Under srun, NODE_RANK
 # defaults to SLURM_NODEID (deploy/slurm/fleet.sbatch).
+# deploy.torchrun is torchrun (same arguments) printing each rank's error once, as one line (deploy/errors.py).
 #
 # Rank 0 (node 0) hosts the hub on hub.bind (use tcp://0.0.0.0:PORT for remote actors) and the weight-group
 # rendezvous on weights.host:weights.port; open both ports to the actor nodes only.
@@ -21,7 +22,7 @@ else
   : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}" "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"
   nproc="${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
   [ "$nproc" -ge 1 ] || { echo "$0: set NPROC_PER_NODE (no GPUs found)" >&2; exit 2; }
-  cmd=("$py" -m torch.distributed.run --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$nproc"
+  cmd=("$py" -m deploy.torchrun --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$nproc"
        --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" -m deploy.cli learner --config "$config" "$@")
 fi
 if dry; then show "${cmd[@]}"; exit 0; fi

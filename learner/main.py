@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import time
@@ -31,6 +33,7 @@ from learner.evaluation import Evaluator
 from learner.hub import Hub
 from learner.intake import take_update_batch
 from learner.metrics import MetricsWriter
+from learner.model_files import load_tokenizer
 from learner.plan import make_plan, render
 from learner.resume import (
     STATE_DIR,
@@ -44,13 +47,17 @@ from learner.resume import (
     save_engines,
     write_learner_state,
 )
+from learner.rollout_stats import rollout_metrics
+from learner.samples import SampleWriter
 from learner.shard import Share, scatter_shares
 from learner.trainer import StepLayout, Trainer, make_shares
+from learner.wandb_log import WandbLogger
 from learner.weight_sync import WeightSender
 from protocol import weights as wg
-from protocol.config import Config, dump_toml, parse_cpus
-from protocol.logs import set_context, setup_logging
+from protocol.config import Config, ConfigError, dump_toml, parse_cpus
+from protocol.logs import learner_log_file, set_context, setup_logging
 from protocol.net import pin_cpus
+from protocol.progress import Eta
 
 
 def run_learner(cfg: Config, resume: bool = False) -> int:
@@ -59,7 +66,10 @@ def run_learner(cfg: Config, resume: bool = False) -> int:
     `resume`: continue from the newest complete checkpoint in run.dir (learner/resume.py).
     """
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    init_distributed()  # its groups are destroyed at exit, before gloo's own teardown could abort a finished rank
+    # Its groups are destroyed at exit, before gloo's own teardown could abort a finished rank. DeepSpeed prints
+    # "DeepSpeed ... built successfully" on stdout as it joins on a CPU: not news to anyone reading the screen.
+    with contextlib.redirect_stdout(io.StringIO()):
+        init_distributed()
     return _run_rank(cfg, resume)
 
 
@@ -67,23 +77,22 @@ def _run_rank(cfg: Config, resume: bool) -> int:
     topo = make_topology(cfg.train.sequence_parallel_size)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_name = "learner.jsonl" if topo.is_root else f"learner-rank{topo.rank}.jsonl"
-    log = setup_logging("learner", run_dir / "logs" / log_name, policy_version=0, rank=topo.rank)
-    if not cfg.model.path:
-        raise ValueError("model.path: empty; point it at a Hugging Face model folder (`fleetrl demo` builds one)")
+    log = setup_logging("learner", learner_log_file(run_dir, topo.rank), policy_version=0, rank=topo.rank)
     pin_cpus(parse_cpus(cfg.train.cpu_affinity, "train.cpu_affinity"))
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.run.seed)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    hf_logging.disable_progress_bar()  # "Loading weights" and "Writing model shards" bars: one per rank, per checkpoint
+    tokenizer = load_tokenizer(cfg.model.path)  # ConfigError naming model.path when the folder is wrong
     data = load_datasets(cfg, tokenizer) if topo.is_root else None
     # Followers need only the batch arithmetic, which does not depend on the prompt count.
     plan = make_plan(cfg, num_prompts=len(data.train) if data is not None else cfg.train.prompts_per_step)
     if plan.learner_ranks != topo.world:
-        raise ValueError(f"cluster: the plan has {plan.learner_ranks} learner ranks "
-                         f"(learner_nodes x learner_gpus_per_node, or debug_gpus), torchrun started {topo.world}")
+        raise ConfigError(f"cluster: the plan has {plan.learner_ranks} learner ranks "
+                          f"(learner_nodes x learner_gpus_per_node, or debug_gpus), torchrun started {topo.world}")
     layout = StepLayout.of(plan)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
     trainer = Trainer(cfg, model, topo, layout)
@@ -131,6 +140,10 @@ def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
 def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, total_updates: int, run_dir: Path, log,
               checkpoint: Path | None) -> int:
     prompts = data.train
+    # W&B first: a missing package or a refused login is a config error before any actor can register.
+    wandb = WandbLogger(cfg.log, run_dir, cfg.to_dict()) if cfg.log.wandb else None
+    if wandb is not None:
+        log.info("learner.wandb", mode=cfg.log.wandb_mode, run=wandb.where)
     hub = Hub(cfg, prompts, control_file=run_dir / "control.toml")  # operator's live settings (learner/control.py)
     version, updates = 0, 0
     kept_rows: list[dict] = []
@@ -144,7 +157,12 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
         set_context(policy_version=version)
         log.info("learner.resumed", checkpoint=str(checkpoint), updates=updates, version=version, ledger=hub.ledger.state_counts(),
                  max_staleness=hub.max_staleness)
-    hub.start()
+    try:
+        hub.start()
+    except RuntimeError as e:  # the hub's bind failed (its message names hub.bind): a port in use, not this host's address
+        if not str(e).startswith("hub.bind"):
+            raise
+        raise ConfigError(f"{e}: choose a free port on an address of this host (tcp://0.0.0.0:PORT binds them all)") from e
     names = [n for n, _ in trainer.named_parameters()]
     sharded = cfg.train.zero_stage == 3
     # ZeRO <= 2: rank 0 holds every parameter, so the broadcast reads them in place and the next optimizer step
@@ -158,7 +176,8 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     # Collective under ZeRO-3 (the followers join it at start). A resumed learner's actors come back serving -1
     # and get no work until they serve `version`: it is sent to each as it registers.
     sender.start(version, hub, snapshot)
-    metrics = MetricsWriter(run_dir)
+    metrics = MetricsWriter(run_dir, wandb)
+    samples = SampleWriter(run_dir, cfg.log.samples_every_steps, cfg.log.samples_groups, tokenizer, prompts)
     metrics.rows.extend(kept_rows)  # the plot covers the whole run
     evaluator = Evaluator(cfg, data.eval_sets(), hub)
     # Checkpoints: from the model on rank 0, or under ZeRO-3 from the weight snapshot rank 0 already holds.
@@ -188,6 +207,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     t_start = time.perf_counter()
     steps = trainer.layout.steps
+    eta = Eta(total_updates)
     stop_sent = False
     try:
         while updates < total_updates and not stop["flag"]:
@@ -224,6 +244,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
             evals = evaluator.run(version, updates, last, should_stop=lambda: stop["flag"])
             stale = [version - steps - g.version_min for g in groups]
             reward_mean = float(np.mean([g.rewards.mean() for g in groups]))
+            rollout = rollout_metrics(groups)
             row = {
                 "step": updates, "policy_version": version, "reward_mean": reward_mean, "samples": stats.samples,
                 "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
@@ -232,13 +253,15 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                 "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
                 "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
                 "grad_norm": stats.grad_norm, "adv_abs_mean": float(advantages.abs().mean()), "max_staleness": k,
-                "groups_filtered": len(filtered), "batch/actors": len({g.actor_id for g in groups}),
+                "groups_filtered": len(filtered), "batch/actors": len({g.actor_id for g in groups}), **rollout,
                 "batch/on_policy_actors": len({g.actor_id for g, s in zip(groups, stale, strict=True) if s == 0}), "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
             }
             last_row = row
             row.update(checkpoints.maybe_save(updates, row, last))
             metrics.write(row)
-            log.info("learner.step", step=updates, version=version, reward=round(reward_mean, 3), staleness_max=max(stale),
+            samples.write(updates, version, groups)
+            log.info("learner.step", step=updates, steps_total=total_updates, eta_s=eta.update(updates), version=version,
+                     reward=round(reward_mean, 3), length=round(rollout["response/length_mean"], 1), staleness_max=max(stale),
                      mismatch=None if stats.on_policy_tokens == 0 else float(f"{stats.logprob_mismatch:.2e}"),
                      wait_s=round(t_wait, 2), train_s=round(t_train, 2), sync_s=round(sync["time/weight_sync"], 3), broadcast_s=round(sync.get("time/broadcast", 0.0), 3))
         # Stopped early (SIGTERM): keep what was trained, training state included, so --resume can go on.

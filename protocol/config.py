@@ -233,6 +233,21 @@ class DemoConfig:
     warmstart_smoothing: float = 0.45  # label smoothing of that run: how unsure (high-entropy) the start is
 
 
+WANDB_MODES = ("online", "offline")  # log.wandb_mode
+
+
+@dataclass(kw_only=True, slots=True)
+class LogConfig:
+    """What the learner records beside metrics.jsonl: sample completions, and Weights & Biases (learner/metrics.py)."""
+
+    samples_every_steps: int = 10  # write sample prompts, completions and rewards to RUN_DIR/samples.jsonl every N updates (0 = never)
+    samples_groups: int = 2  # groups written each time: their prompt and every completion, decoded
+    wandb: bool = False  # also send each metrics row to Weights & Biases (needs `pip install 'fleetrl[wandb]'`)
+    wandb_project: str = "fleetrl"  # W&B project
+    wandb_run_name: str = ""  # W&B run name ("" = the run directory's name)
+    wandb_mode: str = "online"  # online | offline: write RUN_DIR/wandb only, no network (`wandb sync` uploads it later)
+
+
 @dataclass(kw_only=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -250,6 +265,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -388,7 +404,7 @@ def _check(cfg: Config) -> None:
          f"so every checkpoint gets a {cfg.checkpoint.best_metric} score")
     need(cfg.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0")
     need(cfg.staleness.lease_s > 0, "staleness.lease_s", "must be > 0")
-    need(cfg.hub.bind.startswith("tcp://"), "hub.bind", "must be tcp://HOST:PORT")
+    need(tcp_port(cfg.hub.bind) is not None, "hub.bind", f"{cfg.hub.bind!r} must be tcp://HOST:PORT, PORT in 1-65535")
     need(cfg.hub.hwm >= 1, "hub.hwm", "must be >= 1")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
     need(cfg.weights.snapshot in ("device", "host"), "weights.snapshot", f"{cfg.weights.snapshot!r} must be device or host")
@@ -405,6 +421,10 @@ def _check(cfg: Config) -> None:
     need(cfg.demo.num_actors >= 1, "demo.num_actors", "must be >= 1")
     need(cfg.demo.warmstart_steps >= 0, "demo.warmstart_steps", "must be >= 0")
     need(0 <= cfg.demo.warmstart_smoothing < 1, "demo.warmstart_smoothing", "must be in [0, 1)")
+    need(cfg.log.samples_every_steps >= 0, "log.samples_every_steps", "must be >= 0 (0 = never)")
+    need(cfg.log.samples_groups >= 1, "log.samples_groups", "must be >= 1")
+    need(cfg.log.wandb_mode in WANDB_MODES, "log.wandb_mode", f"{cfg.log.wandb_mode!r} must be online or offline")
+    need(not cfg.log.wandb or bool(cfg.log.wandb_project), "log.wandb_project", "required when log.wandb = true")
 
 
 def _check_auth(cfg: Config, need: Callable[[bool, str, str], None]) -> None:
@@ -420,6 +440,14 @@ def _check_auth(cfg: Config, need: Callable[[bool, str, str], None]) -> None:
              f"CURVE is on (auth.curve = {a.curve}, hub.bind {cfg.hub.bind}) but no key is set: run "
              "`fleetrl keys --out keys`, then set auth.server_secret and auth.authorized on the learner, "
              "auth.server_key and auth.client_key on actors and other clients")
+
+
+def tcp_port(address: str) -> int | None:
+    """tcp://HOST:PORT -> PORT; None when malformed (no host, or PORT not in 1-65535: ZeroMQ takes 99999 and binds elsewhere)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    return int(port)
 
 
 def parse_cpus(spec: str, name: str) -> set[int]:
@@ -465,14 +493,17 @@ def dump_toml(cfg: Config) -> str:
     for section, values in cfg.to_dict().items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str):  # JSON's escapes are TOML's: a newline (prompt templates have them) stays "\\n"
-                text = json.dumps(value, ensure_ascii=False)
-            elif isinstance(value, list):  # JSON's string escapes are TOML's ("\n" is a common stop string)
-                text = "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]"
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
+            lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+def toml_value(value: Any) -> str:
+    """A field's value as TOML text."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):  # JSON's escapes are TOML's: a newline (prompt templates have them) stays "\\n"
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):  # JSON's string escapes are TOML's ("\n" is a common stop string)
+        return "[" + ", ".join(json.dumps(v, ensure_ascii=False) for v in value) + "]"
+    return repr(value)

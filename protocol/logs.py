@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 
 _CONTEXT: dict[str, Any] = {"role": "?", "actor_id": None, "policy_version": None}
+_LOG_FILE: list[Path] = []  # the JSON log file of the last setup_logging, if it had one
 
 
 def set_context(**values: Any) -> None:
@@ -27,6 +28,29 @@ def _add_context(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, A
     for key, value in _CONTEXT.items():
         event.setdefault(key, value)
     return event
+
+
+def format_duration(seconds: float) -> str:
+    """42s, 3m05s, 2h03m: short enough for a progress line."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _console_progress(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Console only (after the JSON file got the numbers): `step=5 steps_total=100 eta_s=83` reads `step=5/100 eta=1m23s`."""
+    if "steps_total" not in event and "eta_s" not in event:
+        return event
+    head: dict[str, Any] = {}
+    if "steps_total" in event:
+        head["step"] = f"{event.pop('step', '?')}/{event.pop('steps_total')}"
+    if "eta_s" in event:
+        eta = event.pop("eta_s")
+        head["eta"] = "?" if eta is None else format_duration(eta)
+    return {**head, **event}  # the renderer puts timestamp, level and event first in any case
 
 
 class _JsonTee:
@@ -41,6 +65,11 @@ class _JsonTee:
         return event
 
 
+def _stderr_logger(*_args: Any) -> structlog.PrintLogger:
+    """sys.stderr as it is when a line is logged, not as it was at setup (a test's captured stream, since closed)."""
+    return structlog.PrintLogger(sys.stderr)
+
+
 def setup_logging(role: str, log_file: Path | None = None, level: int = logging.DEBUG if os.environ.get("FLEETRL_DEBUG") else logging.INFO, **context: Any):
     set_context(role=role, **context)
     processors: list[Any] = [
@@ -49,13 +78,17 @@ def setup_logging(role: str, log_file: Path | None = None, level: int = logging.
         _add_context,
         structlog.processors.format_exc_info,
     ]
+    _LOG_FILE.clear()
     if log_file is not None:
         processors.append(_JsonTee(log_file))
-    processors.append(structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+        _LOG_FILE.append(Path(log_file))
+    processors.append(_console_progress)
+    # Fields in the order the call gives them (the context keys come last): a step line starts with its step.
+    processors.append(structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), sort_keys=False))
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
     return structlog.get_logger()
@@ -63,6 +96,28 @@ def setup_logging(role: str, log_file: Path | None = None, level: int = logging.
 
 def get_logger():
     return structlog.get_logger()
+
+
+def learner_log_file(run_dir: Path, rank: int) -> Path:
+    """Each learner rank's JSON log: rank 0's is learner.jsonl."""
+    return run_dir / "logs" / ("learner.jsonl" if rank == 0 else f"learner-rank{rank}.jsonl")
+
+
+def current_log_file() -> Path | None:
+    """The JSON log file this process writes (the last setup_logging's), or None."""
+    return _LOG_FILE[0] if _LOG_FILE else None
+
+
+def log_exception(path: Path, event: str, error: BaseException, **fields: Any) -> None:
+    """One JSON line with the traceback, written to `path` only: the console gets its own one-line summary."""
+    import traceback
+
+    record = {"event": event, "level": "error", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              **{k: v for k, v in _CONTEXT.items()}, **fields, "error": f"{type(error).__name__}: {error}",
+              "exception": "".join(traceback.format_exception(error))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
 
 
 class Throttle:

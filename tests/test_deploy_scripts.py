@@ -83,7 +83,7 @@ def test_hetjob_renders_the_learner_group_and_the_actor_nodes(config, tmp_path):
 
     # What srun runs on learner node 1: torchrun with that node's rank, as torch's own parser reads it.
     (torchrun,) = render(Path(cmd[1]), cmd[2:], {**env, "SLURM_NODEID": "1"}, tmp_path)
-    assert torchrun[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert torchrun[:3] == [sys.executable, "-m", "deploy.torchrun"]  # torchrun's arguments, our error boundary
     from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args(torchrun[3:])

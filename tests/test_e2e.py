@@ -22,7 +22,8 @@ def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
     cmd = [sys.executable, "-m", "deploy.cli", "demo", f"run.dir={run_dir}", "demo.num_actors=1", f"train.total_steps={steps}",
            f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}", f"staleness.max_staleness={k}",
            f"hub.bind=tcp://127.0.0.1:{free_port()}", f"model.path={tiny_model_dir}", "train.micro_batch_samples=16",
-           "data.val_fraction=0.2", f"eval.every_steps={every}", "eval.greedy=true", f"checkpoint.every_steps={every}", "checkpoint.keep=1"]
+           "data.val_fraction=0.2", f"eval.every_steps={every}", "eval.greedy=true", f"checkpoint.every_steps={every}", "checkpoint.keep=1",
+           f"log.samples_every_steps={every}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -41,6 +42,20 @@ def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
     assert (run_dir / "config.toml").exists() and (run_dir / "reward_curve.png").exists()
     learner_log = [json.loads(x) for x in (run_dir / "logs" / "learner.jsonl").read_text().splitlines()]
     assert all("role" in e and "policy_version" in e for e in learner_log)
+    # What the actors generated: lengths within rollout.max_tokens, truncation, reward errors (none for exact_match).
+    assert all(1 <= r["response/length_mean"] <= r["response/length_max"] <= 4 for r in rows)
+    assert all(0 <= r["response/truncation_rate"] <= 1 and r["reward/errors"] == 0 for r in rows)
+    step_lines = [e for e in learner_log if e["event"] == "learner.step"]
+    assert [(e["step"], e["steps_total"]) for e in step_lines] == [(s, steps) for s in range(1, steps + 1)]
+    assert step_lines[0]["eta_s"] is None and all(e["eta_s"] >= 0 for e in step_lines[1:]) and step_lines[-1]["eta_s"] == 0
+    # Sample completions every 3 steps, decoded by the learner: each reward is exact_match of its text.
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in samples] == [3, 3, 6, 6]
+    for x in samples:
+        assert x["prompt"].endswith("=") and len(x["completions"]) == n
+        for c in x["completions"]:
+            assert c["reward"] == float(c["text"].removesuffix("<eos>").strip() == x["answer"]), x
+            assert c["finish_reason"] == ("stop" if c["text"].endswith("<eos>") else "length") and 1 <= c["tokens"] <= 4
     actor_log = [json.loads(x) for x in (run_dir / "logs" / "actor-actor0.jsonl").read_text().splitlines()]
     assert any(e["event"] == "actor.registered" for e in actor_log) and all(e["actor_id"] == "actor0" for e in actor_log)
 

@@ -1,0 +1,39 @@
+"""Per-step metrics of the rollouts themselves (not of the update): what the actors generated and how it scored.
+
+    response/length_mean, response/length_max   completion tokens, over every completion of the batch
+    response/truncation_rate                    share of completions that ran into rollout.max_tokens
+                                                (finish reason "length": cut off, not finished)
+    reward/part/<name>                          mean of each named reward part, over the completions whose group
+                                                carries it (a group carries every part any of its completions returned)
+    reward/errors                               completions whose reward function raised or timed out (scored 0)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from protocol.messages import RolloutGroup
+
+
+def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
+    assert groups, "a step trains at least one group"
+    lengths = np.concatenate([g.lengths for g in groups])
+    reasons = [r for g in groups for r in g.finish_reasons]
+    out = {
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncation_rate": sum(r == "length" for r in reasons) / len(reasons),
+        "reward/errors": float(sum(g.reward_errors for g in groups)),
+    }
+    parts: dict[str, list[np.ndarray]] = defaultdict(list)
+    for g in groups:
+        if not g.reward_part_names:
+            continue
+        table = g.reward_parts.reshape(len(g.lengths), len(g.reward_part_names))  # row-major [n, k]
+        for j, name in enumerate(g.reward_part_names):
+            parts[name].append(table[:, j])
+    for name in sorted(parts):
+        out[f"reward/part/{name}"] = float(np.concatenate(parts[name]).mean())
+    return out

@@ -188,8 +188,8 @@ def _config_argument(args: argparse.Namespace) -> tuple[str, list[str]]:
 def _log_file(args: argparse.Namespace) -> Path | None:
     """Where a command's traceback goes before its process set up logging: the log it would have written."""
     cfg: Config | None = args.cfg
-    if cfg is None:  # the config itself did not load: its error says all there is
-        return None
+    if cfg is None or (args.command in ("plan", "config") and not getattr(args, "check", False)):
+        return None  # the config itself is the mistake: its one line says all there is, and these write nothing
     logs = Path(cfg.run.dir) / "logs"
     if args.command == "learner":
         return learner_log_file(Path(cfg.run.dir), int(os.environ.get("RANK", "0")))

@@ -88,7 +88,7 @@ def test_reward_import_errors(tmp_path, tiny_model_dir, capsys, monkeypatch):
 
 
 def test_bad_addresses(tmp_path, capsys):
-    for command in (["actor", "--config", DEMO], ["status", "--once"], ["ctl", "set", "max_staleness", "1"]):
+    for command in (["actor", "--config", DEMO, f"run.dir={tmp_path}"], ["status", "--once"], ["ctl", "set", "max_staleness", "1"]):
         assert main([command[0], "--learner", "127.0.0.1:5555", *command[1:]]) == 2
         assert one_line(capsys.readouterr().err) == (
             f"fleetrl {command[0]}: --learner '127.0.0.1:5555': expected tcp://HOST:PORT with PORT in 1-65535, "

@@ -45,7 +45,7 @@ from actors.rewards.pool import RewardPool
 from protocol import auth, transport
 from protocol import messages as m
 from protocol.config import Config, parse_cpus
-from protocol.logs import set_context, setup_logging
+from protocol.logs import Throttle, set_context, setup_logging
 from protocol.net import pin_cpus
 from protocol.progress import phase
 
@@ -60,6 +60,7 @@ class Actor:
         self.actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         load_reward(cfg.rollout.reward_fn)  # fails here, naming rollout.reward_fn, before the engine's slow start
         self.rewards: RewardPool | None = None  # the worker processes that score (started after the engine)
+        self._reward_error_log = Throttle(1.0)
         self.sampling = Sampling.rollout(cfg)
         self.keys = auth.client_keys(cfg, learner)  # CURVE keys, or None on loopback (a bad key file fails here)
         self.served_version = 0  # the weights in model.path are the learner's version 0
@@ -278,9 +279,10 @@ class Actor:
         contexts = [RewardContext(completion=c.text, prompt=grant.prompt, answer=grant.answer, metadata=metadata,
                                   finish_reason=c.finish_reason) for c in completions]
         scores = assemble(await self.rewards.score(contexts))
-        if scores.errors:
+        # at most one line a second: a reward that fails on every row must not flood the log (the counts still go out)
+        if scores.errors and (suppressed := self._reward_error_log.ready()) is not None:
             self.log.warning("actor.reward_errors", reward=self.cfg.rollout.reward_fn, errors=scores.errors, of=len(contexts),
-                             prompt_id=grant.prompt_id, split=split, first=scores.first_error)
+                             prompt_id=grant.prompt_id, split=split, first=scores.first_error, suppressed=suppressed)
         return scores
 
     async def _run_eval(self, grant: m.EvalGrant) -> None:

@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from deploy.errors import first_line
 from protocol.config import Config, ConfigError
+from protocol.logs import first_line
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 The docs are the comments in protocol/config.py, read from its source: the comment after a field, or the comment
 lines right above it (a field whose doc takes several lines). The defaults come from the dataclasses themselves,
-so the listing is the config the code runs, and tests/test_cli_config.py checks every field has a doc.
+so the listing is the config the code runs, and tests/test_cli_commands.py checks every field has a doc.
 """
 
 from __future__ import annotations

@@ -21,20 +21,15 @@ import traceback
 from pathlib import Path
 
 from protocol.config import ConfigError
-from protocol.logs import log_exception
+from protocol.logs import first_line, log_exception
 
 USER_ERROR = 2  # exit code of a user mistake, as argparse's
-ERROR_DIR = "FLEETRL_ERROR_DIR"
-_OURS = [Path(__file__).resolve().parents[1] / pkg for pkg in ("actors", "learner", "protocol", "deploy")]  # set by deploy/torchrun.py: where ranks leave their one-line errors
+ERROR_DIR = "FLEETRL_ERROR_DIR"  # set by deploy/torchrun.py: where ranks leave their one-line errors
+_OURS = [Path(__file__).resolve().parents[1] / pkg for pkg in ("actors", "learner", "protocol", "deploy")]
 
 
 class UsageError(ConfigError):
     """A command-line mistake (a missing argument, a malformed --learner): `fleetrl COMMAND: ...`, exit 2."""
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def report(command: str, error: Exception, log_file: Path | None) -> int:

@@ -41,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         except SignalException as e:
             return 128 + int(e.sigval)
         except ChildFailedError as e:
-            lines, all_user = collect(Path(folder))
+            lines, any_user = collect(Path(folder))
             for line in lines:
                 print(line, file=sys.stderr)
             if lines:
-                return USER_ERROR if all_user else 1
+                return USER_ERROR if any_user else 1
             for rank, failure in sorted(e.failures.items()):
                 how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
                 print(f"fleetrl learner: rank {rank} died ({how}) without an error; see its log in RUN_DIR/logs",

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.config import ConfigError
+from protocol.logs import first_line
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}  # extension -> datasets' builder
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -89,9 +90,9 @@ def read_file(path: Path, field: str) -> Part:
         except ValueError as e:  # ArrowInvalid (not Parquet) is a ValueError; so is datasets' "no data" for an empty file
             if "corresponds to no data" in str(e):
                 return Part(str(path), [], [])
-            raise ConfigError(f"{field}: {path}: not readable as {builder} ({_first_line(e)})") from e
+            raise ConfigError(f"{field}: {path}: not readable as {builder} ({first_line(e)})") from e
         except datasets.exceptions.DatasetGenerationError as e:
-            raise ConfigError(f"{field}: {path}: {_json_error(path) or _first_line(e.__cause__ or e)}") from e
+            raise ConfigError(f"{field}: {path}: {_json_error(path) or first_line(e.__cause__ or e)}") from e
         rows = ds.to_list()
     return Part(str(path), list(ds.column_names), rows)
 
@@ -106,7 +107,7 @@ def read_hub(dataset_id: str, field: str, split: str, subset: str) -> Part:
         except (OSError, ValueError) as e:  # ConnectionError, DatasetNotFoundError (FileNotFoundError), unknown split
             raise ConfigError(
                 f"{field}: {dataset_id!r} is not a local file or folder, and loading it as a Hugging Face {name} failed: "
-                f"{_first_line(e)}") from e
+                f"{first_line(e)}") from e
     if not isinstance(ds, datasets.Dataset):
         raise ConfigError(f"{field}: {name} is not a plain dataset ({type(ds).__name__})")
     return Part(name, list(ds.column_names), ds.to_list())
@@ -131,11 +132,6 @@ def _json_error(path: Path) -> str | None:
             except json.JSONDecodeError as e:
                 return f"line {n}: not valid JSON ({e})"
     return None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def count_rows(path: Path) -> int:

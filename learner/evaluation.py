@@ -77,6 +77,7 @@ class EvalRound:
         self.pending: deque[int] = deque(range(len(self.tasks)))  # may hold answered ones (skipped on pop)
         self.granted: dict[int, tuple[str, float]] = {}  # task -> (actor, lease deadline)
         self.rewards: dict[int, np.ndarray] = {}  # task -> float32 [n]
+        self.reward_errors: dict[int, int] = {}  # task -> completions whose reward raised or timed out
         self.counts: Counter[str] = Counter()  # COUNTS
         self.started = time.monotonic()
 
@@ -141,6 +142,7 @@ class EvalRound:
             return why
         self.granted.pop(idx, None)
         self.rewards[idx] = np.asarray(msg.rewards, dtype=np.float32)
+        self.reward_errors[idx] = msg.reward_errors
         return None
 
     def _requeue(self, idx: int) -> None:
@@ -168,6 +170,8 @@ class EvalRound:
             answered = [r for i, r in self.rewards.items() if self.tasks[i].split == split]
             out[f"eval/{split}/reward_mean"] = float(np.concatenate(answered).mean()) if answered else math.nan
             out[f"eval/{split}/prompts"] = float(len(answered))
+            # a reward that fails scores 0: without this count it reads as a bad policy
+            out[f"eval/{split}/reward_errors"] = float(sum(n for i, n in self.reward_errors.items() if self.tasks[i].split == split))
         out.update({f"eval/{k}": float(self.counts[k]) for k in COUNTS})
         out["time/eval"] = time.monotonic() - self.started
         return out

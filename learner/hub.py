@@ -38,7 +38,7 @@ from learner.gatekeeper import Gatekeeper
 from learner.ledger import Key, Ledger
 from protocol import auth, transport
 from protocol import messages as m
-from protocol.config import Config
+from protocol.config import Config, ConfigError
 from protocol.logs import Throttle, get_logger
 
 DRAIN = 256  # messages read per poll of the hub's socket
@@ -299,7 +299,8 @@ class Hub:
         try:
             self._sock = transport.hub_socket(ctx, self.cfg.hub.bind, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self._keys)
         except zmq.ZMQError as e:
-            self._start_error = RuntimeError(f"hub.bind {self.cfg.hub.bind}: {e}")
+            self._start_error = ConfigError(f"hub.bind {self.cfg.hub.bind}: {e}: choose a free port on an address of this "
+                                            "host (tcp://0.0.0.0:PORT binds them all)")
             self._ready.set()
             if self._gate is not None:
                 self._gate.stop()

@@ -157,12 +157,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
         set_context(policy_version=version)
         log.info("learner.resumed", checkpoint=str(checkpoint), updates=updates, version=version, ledger=hub.ledger.state_counts(),
                  max_staleness=hub.max_staleness)
-    try:
-        hub.start()
-    except RuntimeError as e:  # the hub's bind failed (its message names hub.bind): a port in use, not this host's address
-        if not str(e).startswith("hub.bind"):
-            raise
-        raise ConfigError(f"{e}: choose a free port on an address of this host (tcp://0.0.0.0:PORT binds them all)") from e
+    hub.start()  # a port in use raises ConfigError naming hub.bind
     names = [n for n, _ in trainer.named_parameters()]
     sharded = cfg.train.zero_stage == 3
     # ZeRO <= 2: rank 0 holds every parameter, so the broadcast reads them in place and the next optimizer step
@@ -244,7 +239,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
             evals = evaluator.run(version, updates, last, should_stop=lambda: stop["flag"])
             stale = [version - steps - g.version_min for g in groups]
             reward_mean = float(np.mean([g.rewards.mean() for g in groups]))
-            rollout = rollout_metrics(groups)
+            rollout = rollout_metrics(groups, [item.group for item in filtered])
             row = {
                 "step": updates, "policy_version": version, "reward_mean": reward_mean, "samples": stats.samples,
                 "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),

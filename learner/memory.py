@@ -9,7 +9,7 @@ backward with flash/varlen attention (no [tokens, tokens] score matrix):
   activations recomputed in backward and its gradients (2 x tokens x layer).
 Plus the scored hidden states and the final norm (3 tokens x h b), the logits of one chunk of
 tokens in float32 with their softmax and gradient (learner/scoring.py: chunk x V x (12 + b); with top-p, the
-sorted copy and its softmax and cumulative sum, 12 more),
+sorted copy and its softmax and cumulative sum, 12 more; with top-k, 5 more),
 the float32 sum of the lm_head's gradient (V x h x 4), and under ZeRO-3 the parameters it
 keeps gathered at once (DeepSpeed's stage3_max_live_parameters, 1e9 by default).
 
@@ -74,14 +74,14 @@ class Activations:
 
 
 def activation_bytes(arch: Arch, tokens: int, dtype_bytes: int, checkpointing: bool, chunk: int, zero_stage: int,
-                     num_params: int, top_p: float = 1.0) -> Activations:
+                     num_params: int, top_p: float = 1.0, top_k: int = 0) -> Activations:
     b, h = dtype_bytes, arch.hidden
     layer = (6 * h + 2 * arch.kv_heads * arch.head_dim + 4 * arch.intermediate) * b
     if checkpointing:
         layers = tokens * arch.layers * h * b + 2 * tokens * layer
     else:
         layers = tokens * arch.layers * layer
-    per_logit = 12 + b + (12 if top_p < 1 else 0)
+    per_logit = 12 + b + (12 if top_p < 1 else 0) + (5 if top_k > 0 else 0)  # top-k: its kept mask and masked copy
     head = 3 * tokens * h * b + min(chunk, tokens) * arch.vocab * per_logit + arch.vocab * h * 4
     gathered = min(ZERO3_LIVE_PARAMS, num_params) * b if zero_stage == 3 else 0.0
     return Activations(tokens=tokens, layers=float(layers), head=float(head), gathered=float(gathered))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.config import Config, ConfigError
+from protocol.logs import first_line
 
 # Any of these makes a folder's tokenizer loadable by AutoTokenizer (fast, sentencepiece, BPE or WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
@@ -54,7 +55,7 @@ def load_tokenizer(path: str, name: str = "model.path") -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:  # transformers' errors for unreadable or mismatched files
-        raise ConfigError(f"{name}: the tokenizer in {path} does not load ({_first_line(e)}); "
+        raise ConfigError(f"{name}: the tokenizer in {path} does not load ({first_line(e)}); "
                           "re-save it with tokenizer.save_pretrained") from e
     if len(tokenizer) < 2:
         raise ConfigError(f"{name}: the tokenizer in {path} has {len(tokenizer)} token(s); re-save it with "
@@ -70,9 +71,6 @@ def load_model_config(path: str, name: str = "model.path") -> Any:
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:  # unknown model_type, malformed JSON
-        raise ConfigError(f"{name}: {path}/config.json does not load ({_first_line(e)})") from e
+        raise ConfigError(f"{name}: {path}/config.json does not load ({first_line(e)})") from e
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

@@ -288,7 +288,8 @@ def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
     if arch_path is not None and arch_path.is_file():
         tokens = budget or -(-micro * longest // sp)  # sample-counted micro-batches: at their longest
         activations = activation_bytes(read_arch(arch_path), tokens, DTYPE_BYTES[cfg.model.dtype], t.gradient_checkpointing,
-                                       t.logprob_chunk_tokens, t.zero_stage, n_params or 0, cfg.rollout.top_p)
+                                       t.logprob_chunk_tokens, t.zero_stage, n_params or 0, cfg.rollout.top_p,
+                                       cfg.rollout.top_k)
         arch_source = str(arch_path)
 
     return Plan(

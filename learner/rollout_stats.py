@@ -5,19 +5,24 @@
                                                 (finish reason "length": cut off, not finished)
     reward/part/<name>                          mean of each named reward part, over the completions whose group
                                                 carries it (a group carries every part any of its completions returned)
-    reward/errors                               completions whose reward function raised or timed out (scored 0)
+    reward/errors                               completions whose reward function raised or timed out (scored 0),
+                                                over every group received for the step, filtered ones included: a
+                                                failing reward scores a whole group 0, and algo.filter_equal_rewards
+                                                drops exactly such groups
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 
 from protocol.messages import RolloutGroup
 
 
-def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
+def rollout_metrics(groups: list[RolloutGroup], filtered: Sequence[RolloutGroup] = ()) -> dict[str, float]:
+    """`groups`: the step's trained groups; `filtered`: the ones received with them and dropped (counted for errors)."""
     assert groups, "a step trains at least one group"
     lengths = np.concatenate([g.lengths for g in groups])
     reasons = [r for g in groups for r in g.finish_reasons]
@@ -25,7 +30,7 @@ def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncation_rate": sum(r == "length" for r in reasons) / len(reasons),
-        "reward/errors": float(sum(g.reward_errors for g in groups)),
+        "reward/errors": float(sum(g.reward_errors for g in [*groups, *filtered])),
     }
     parts: dict[str, list[np.ndarray]] = defaultdict(list)
     for g in groups:

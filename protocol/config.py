@@ -393,6 +393,8 @@ def _check(cfg: Config) -> None:
     need(cfg.eval.samples >= 1, "eval.samples", "must be >= 1")
     need(0 < cfg.eval.top_p <= 1, "eval.top_p", f"{cfg.eval.top_p} must be in (0, 1] (1 = off)")
     need(cfg.eval.top_k >= 0, "eval.top_k", f"{cfg.eval.top_k} must be >= 0 (0 = off)")
+    need(not cfg.eval.greedy or (cfg.eval.top_p == 1 and cfg.eval.top_k == 0), "eval.greedy",
+         "greedy decoding ignores eval.top_p and eval.top_k: set eval.greedy = false to sample with them")
     need(all(cfg.eval.stop), "eval.stop", "an empty stop string would stop every completion at once")
     need(cfg.eval.max_prompts >= 0, "eval.max_prompts", "must be >= 0 (0 = all)")
     need(cfg.eval.timeout_s > 0, "eval.timeout_s", "must be > 0")

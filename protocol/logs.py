@@ -30,6 +30,12 @@ def _add_context(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, A
     return event
 
 
+def first_line(e: BaseException) -> str:
+    """"Type: the message's first line": what a one-line report of an error shows (the traceback goes to the log)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def format_duration(seconds: float) -> str:
     """42s, 3m05s, 2h03m: short enough for a progress line."""
     s = max(0, round(seconds))

@@ -37,6 +37,7 @@ def test_overrides_parse_types():
         ("train.max_tokens_per_micro_batch=-1", "train.max_tokens_per_micro_batch"),
         ("weights.snapshot=gpu", "weights.snapshot"),
         ("cluster.gpu_memory_gib=0", "cluster.gpu_memory_gib"),
+        ("eval.top_p=0.95", "eval.greedy"),  # greedy decoding would ignore it silently
     ],
 )
 def test_errors_name_the_field(override, field):

@@ -52,11 +52,11 @@ def recv_all(sock, quiet_ms=300):
     return out
 
 
-def answer(grant, version, reward, actor="a0"):
+def answer(grant, version, reward, actor="a0", errors=0):
     return encode(m.EvalResult(
         actor_id=actor, eval_round=grant.eval_round, split=grant.split, prompt_id=grant.prompt_id,
         lengths=np.full(grant.n, 1, np.int32), rewards=np.full(grant.n, reward, np.float32), finish_reasons=["stop"] * grant.n,
-        version_min=version, version_max=version, gen_s=0.1))
+        version_min=version, version_max=version, gen_s=0.1, reward_errors=errors))
 
 
 def test_eval_is_outside_admission_and_the_ledger():
@@ -96,7 +96,8 @@ def test_eval_is_outside_admission_and_the_ledger():
         answered = 0
         while pending:
             g = pending.pop()
-            sock.send_multipart(answer(g, version=0, reward=even_prompts_right(g.split, g.prompt_id)))
+            right = even_prompts_right(g.split, g.prompt_id)  # the wrong ones' reward raised: counted as errors
+            sock.send_multipart(answer(g, version=0, reward=right, errors=int(right == 0.0)))
             answered += 1
             pending += [x for x in recv_all(sock, 100) if isinstance(x, m.EvalGrant)]  # the last two prompts
         sock.send_multipart(answer(g0, version=0, reward=0.0))  # a duplicate: first result wins
@@ -106,6 +107,7 @@ def test_eval_is_outside_admission_and_the_ledger():
         assert hub.wait_eval(5.0) is rnd and hub.eval_round is None
         out = rnd.metrics()
         assert answered == 10 == out["eval/val/prompts"] and out["eval/val/reward_mean"] == 0.5
+        assert out["eval/val/reward_errors"] == 5  # the half scored 0, each with its reward's error
         assert out["eval/partial"] == 0 and out["eval/rejected"] == 1 and out["eval/policy_version"] == 0
         assert out["eval/duplicates"] <= 1 and out["eval/regranted_dead"] == 0  # the duplicate may arrive after the close
         sock.send_multipart(answer(g0, version=0, reward=1.0))  # after the round: counted, ignored

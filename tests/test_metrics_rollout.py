@@ -58,7 +58,8 @@ def test_samples_every_n_steps(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [(x["step"], x["policy_version"]) for x in lines] == [(3, 30), (6, 60)]
     assert lines[0] == {
-        "step": 3, "policy_version": 30, "prompt_id": 1, "epoch": 0, "actor_id": "a0", "prompt": "4+4=", "answer": "8",
+        "step": 3, "policy_version": 30, "version_min": 0, "version_max": 0, "prompt_id": 1, "epoch": 0, "actor_id": "a0",
+        "prompt": "4+4=", "answer": "8",
         "completions": [
             {"text": "8<eos>", "reward": 1.0, "parts": {"correct": 1.0}, "finish_reason": "stop", "tokens": 2},
             {"text": "12", "reward": 0.0, "parts": {"correct": 0.0}, "finish_reason": "length", "tokens": 2}]}
@@ -122,3 +123,12 @@ def test_plot_has_eval_and_length(tmp_path):
     assert list(top.lines[2].get_xdata()) == [3, 6]
     assert [ln.get_label() for ln in bottom.lines] == ["length_mean", "length_max"]
     assert list(bottom.lines[1].get_ydata()) == [5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+
+
+def test_reward_errors_count_filtered_groups_too():
+    """A failing reward scores a whole group 0, and filter_equal_rewards drops exactly such groups: their errors must
+    still show, or a reward that always raises reads as no errors at all."""
+    trained = group([[5, 1]], [1.0], ["stop"])
+    dropped = group([[6, 1], [7, 1]], [0.0, 0.0], ["stop", "stop"], errors=2)
+    m = rollout_metrics([trained], [dropped])
+    assert m["reward/errors"] == 2.0 and m["response/length_mean"] == 2.0  # lengths: the trained groups only

@@ -26,6 +26,7 @@ from actors.rewards import (
 from actors.rewards.builtin import last_boxed
 from actors.rewards.pool import RewardPool
 from actors.rewards.verifiers import OpenInstructReward, gsm8k, math
+from protocol.logs import Throttle
 
 
 def ctx(completion, answer="", finish_reason="stop", metadata=None, prompt=""):
@@ -287,7 +288,7 @@ def test_actor_fills_the_groups_reward_fields():
 
     async def main(grant, spec):
         cfg = load_config(None, [f"rollout.reward_fn={spec}"])
-        actor = SimpleNamespace(cfg=cfg, log=RecordingLog(), rewards=RewardPool(spec, 1, 5.0))
+        actor = SimpleNamespace(cfg=cfg, log=RecordingLog(), rewards=RewardPool(spec, 1, 5.0), _reward_error_log=Throttle(0.0))
         await actor.rewards.start()
         try:
             return await Actor._score(actor, grant, completions, "train"), actor.log.records
@@ -312,4 +313,5 @@ def test_actor_fills_the_groups_reward_fields():
     scores, log = run(main(grant, "tests.reward_fns:behaves"))
     assert scores.rewards.tolist() == [0.0, 1.0] and scores.errors == 1
     assert log == [("actor.reward_errors", {"reward": "tests.reward_fns:behaves", "errors": 1, "of": 2, "prompt_id": 3,
-                                            "split": "train", "first": "RuntimeError: no such key"})]
+                                            "split": "train", "first": "RuntimeError: no such key",
+                                            "suppressed": 0})]

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from protocol.logs import first_line
+
 
 @dataclass(frozen=True, slots=True)
 class RewardContext:
@@ -117,11 +119,6 @@ def score_one(reward: Reward, ctx: RewardContext) -> Outcome:
     except Exception as e:  # the user's code: any exception is this sample's error, reported with its first line
         return Outcome(0.0, {}, first_line(e))
     return Outcome(score, parts)
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def parse_metadata(text: str) -> dict[str, Any]:

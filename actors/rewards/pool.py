@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -132,6 +133,13 @@ class _Worker:
             raise ValueError(f"rollout.reward_fn: {detail}")  # the worker's load failed (it loaded in the actor)
         return worker
 
+    async def _exit_code(self, within_s: float = 1.0) -> int | None:
+        """The dead worker's exit code: its socket closes a moment before the process is reaped, so wait a little."""
+        deadline = time.monotonic() + within_s
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.proc.poll()
+
     async def call(self, ctx: RewardContext, timeout_s: float) -> Outcome:
         try:
             self.conn.send(ctx)
@@ -142,7 +150,7 @@ class _Worker:
             return Outcome(0.0, {}, f"timed out after {timeout_s:g} s (worker replaced)")
         except (EOFError, OSError) as e:  # the worker died (killed, segfault, os._exit in the reward)
             self.dead = True
-            return Outcome(0.0, {}, f"reward worker died ({type(e).__name__}, exit code {self.proc.poll()})")
+            return Outcome(0.0, {}, f"reward worker died ({type(e).__name__}, exit code {await self._exit_code()})")
         assert isinstance(outcome, Outcome), f"reward worker sent {type(outcome).__name__}"
         return outcome
 

@@ -56,6 +56,8 @@ VERIFIERS: dict[str, Callable[[str, str], float]] = {"gsm8k": gsm8k, "math": mat
 def by_dataset(ctx: RewardContext) -> float:
     """The verifier named by metadata["dataset"] (lowercased), 0..1; ValueError naming an unknown or missing one."""
     name = ctx.metadata.get("dataset")
+    if isinstance(name, list) and len(name) == 1:  # open-instruct rows may carry it as a one-element list
+        name = name[0]
     if not isinstance(name, str):
         raise ValueError(f"metadata['dataset'] is {name!r}: the row must name its verifier ({', '.join(VERIFIERS)})")
     verifier = VERIFIERS.get(name.lower())

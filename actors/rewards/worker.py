@@ -17,7 +17,8 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
-from actors.rewards.base import first_line, load_reward, score_one
+from actors.rewards.base import load_reward, score_one
+from protocol.logs import first_line
 
 PARENT_CHECK_S = 1.0  # how often an idle worker checks that the actor is still its parent
 

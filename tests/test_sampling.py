@@ -214,12 +214,13 @@ def test_sampling_config_fields():
     from protocol.config import ConfigError, dump_toml, load_config
 
     cfg = load_config(None, ['rollout.stop=["User:", "</answer>", "\\n\\n"]', "rollout.include_stop_str_in_output=true",
-                             "rollout.top_p=0.95", "rollout.top_k=20", "eval.top_p=0.9", 'eval.stop=["</answer>"]'])
+                             "rollout.top_p=0.95", "rollout.top_k=20", "eval.greedy=false", "eval.top_p=0.9",
+                             'eval.stop=["</answer>"]'])
     assert cfg.rollout.stop == ["User:", "</answer>", "\n\n"]
     assert tomllib.loads(dump_toml(cfg))["rollout"]["stop"] == cfg.rollout.stop  # the run directory's copy reads back
     assert Sampling.rollout(cfg) == Sampling(temperature=1.0, top_p=0.95, top_k=20, stop=("User:", "</answer>", "\n\n"),
                                              include_stop_str=True)
-    assert Sampling.evaluation(cfg, 0.0) == Sampling(temperature=0.0, top_p=0.9, top_k=0, stop=("</answer>",), include_stop_str=True)
+    assert Sampling.evaluation(cfg, 1.0) == Sampling(temperature=1.0, top_p=0.9, top_k=0, stop=("</answer>",), include_stop_str=True)
     for override, field in (("rollout.top_p=0", "rollout.top_p"), ("rollout.top_p=1.5", "rollout.top_p"),
                             ("rollout.top_k=-1", "rollout.top_k"), ("eval.top_p=0", "eval.top_p"), ("eval.top_k=-2", "eval.top_k"),
                             ("rollout.stop=User:", "rollout.stop"), ('rollout.stop=[""]', "rollout.stop"), ('eval.stop=[1]', "eval.stop"),

@@ -5,7 +5,7 @@ logprob of each sampled token under the distribution it was actually sampled
 from, which is what the learner's importance ratio needs: after temperature, and
 after top-k / top-p, renormalised over the tokens they keep (the masked ones are
 -inf; vllm/v1/sample/ops/topk_topp_sampler.py returns log_softmax of the masked
-logits). learner/scoring.py scores that same truncated distribution.
+logits). learner/train/scoring.py scores that same truncated distribution.
 
 Stop strings (rollout.stop, eval.stop) need vLLM's detokenizer: it checks them as text.
 A request with stop strings is detokenized by vLLM and its text is vLLM's (cut before

@@ -314,7 +314,7 @@ class Actor:
             result = await self.engine.apply_weights(sync, leave_group=leave)
             if "error" in result:
                 # The group broke (a member died, the link to the learner was down, or the learner died). The
-                # learner gives the epoch up and sends again in a new one (learner/weight_sync.py); until then we serve the
+                # learner gives the epoch up and sends again in a new one (learner/weights/sync.py); until then we serve the
                 # old version (or nothing, paused, if some buckets were loaded) and the hub grants us nothing newer.
                 # A learner that is gone shows as a closed connection (the watch task), not here.
                 self.log.warning("actor.weights_failed", version=sync.policy_version, epoch=sync.group_epoch, served=self.served_version,

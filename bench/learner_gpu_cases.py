@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from bench.synthetic import synthetic_groups
-from learner.batch import Sample, group_samples
-from learner.shard import Share
+from learner.train.batch import Sample, group_samples
+from learner.train.shard import Share
 from protocol.config import Config, load_config
 
 # Qwen2.5 shapes (their config.json files); each model ties the lm_head to the input embeddings.
@@ -110,7 +110,7 @@ class Update:
 
 def update_data(cfg: Config, case: Case, updates: int) -> list[Update]:
     """The updates' data, seeded by each update's index: the same on both sides."""
-    from learner.trainer import make_shares
+    from learner.train.trainer import make_shares
 
     vocab = SHAPES[case.shape]["vocab_size"]
     out = []

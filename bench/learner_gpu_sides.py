@@ -64,7 +64,7 @@ def timed_updates(step: Callable[[Update], float], updates: list[Update], warmup
 
 def weight_rates(trainer, dtype: torch.dtype, bucket_mb: int, reps: int, device: torch.device) -> dict:
     """GB/s of the two copies that feed the weight group, and of its broadcast with world size 1."""
-    from learner.weight_buckets import Buckets
+    from learner.weights.buckets import Buckets
     from protocol import weights as wg
 
     bucket_bytes = bucket_mb << 20
@@ -93,9 +93,9 @@ def weight_rates(trainer, dtype: torch.dtype, bucket_mb: int, reps: int, device:
 
 
 def run_fleetrl(case: Case, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> dict:
-    from learner.distributed import init_distributed, make_topology
     from learner.plan import make_plan
-    from learner.trainer import StepLayout, Trainer
+    from learner.train.distributed import init_distributed, make_topology
+    from learner.train.trainer import StepLayout, Trainer
 
     cfg = case_config(case, str(dtype).removeprefix("torch."))
     init_distributed()

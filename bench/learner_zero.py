@@ -1,7 +1,7 @@
 """Learner tokens/s with DeepSpeed ZeRO-2 vs ZeRO-3 on 2 CPU processes, same model, same data, one run.
 
 Each stage runs the real multi-rank path (torchrun, gloo): rank 0 advantages the groups and
-scatters the shares, both ranks train (learner/trainer.py), then join the weight snapshot
+scatters the shares, both ranks train (learner/train/trainer.py), then join the weight snapshot
 that feeds the actors (a full gather under ZeRO-3). Synthetic rollout groups: completions of
 32-128 tokens, random rewards. Tokens/s counts completion tokens trained per second of update
 + snapshot, after warm-up updates.
@@ -29,10 +29,10 @@ SETTINGS = ["train.prompts_per_step=8", "rollout.samples_per_prompt=8", "train.m
 
 def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: list[str]) -> None:
     from bench.synthetic import synthetic_groups
-    from learner.distributed import init_distributed, make_topology
     from learner.plan import make_plan
-    from learner.shard import scatter_shares
-    from learner.trainer import StepLayout, Trainer, make_shares
+    from learner.train.distributed import init_distributed, make_topology
+    from learner.train.shard import scatter_shares
+    from learner.train.trainer import StepLayout, Trainer, make_shares
     from protocol import weights as wg
     from protocol.config import load_config
 

@@ -1,6 +1,6 @@
 """Packed vs padded micro-batches on CPU: attention alone, then a whole forward + backward.
 
-Attention: varlen causal attention (learner/varlen_attention.py, one SDPA call per
+Attention: varlen causal attention (learner/train/attention/varlen.py, one SDPA call per
 sample) vs one SDPA call over the packed row with a block-diagonal boolean mask, at
 Qwen2-0.5B head shapes (14 heads, 2 kv heads, d 64), fwd + bwd, best of 3.
 Model: a small random Qwen2 (4 layers, hidden 256, GQA 4/2), logprobs of the
@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from learner.batch import Sample, make_micro_batch, token_logprobs
-from learner.hf_attention import VARLEN
-from learner.packing import pack_samples, packing_efficiency
-from learner.varlen_attention import varlen_causal_attention
+from learner.train.attention.hf import VARLEN
+from learner.train.attention.varlen import varlen_causal_attention
+from learner.train.batch import Sample, make_micro_batch, token_logprobs
+from learner.train.packing import pack_samples, packing_efficiency
 
 
 def _masked(q, k, v, cu):

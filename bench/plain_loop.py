@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from learner.batch import Sample
+from learner.train.batch import Sample
 
 
 def padded_rows(samples: list[Sample], device: torch.device) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from learner.weight_buckets import Buckets
+from learner.weights.buckets import Buckets
 from protocol import weights as wg
 from protocol.net import free_port
 

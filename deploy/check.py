@@ -41,8 +41,8 @@ def check_model(cfg: Config) -> Model:
 
 
 def check_data(cfg: Config, tokenizer: Any) -> Any:
-    """The learner's own loading (learner/data.py): its errors name the file, row and column."""
-    from learner.data import load_datasets
+    """The learner's own loading (learner/data/prompts.py): its errors name the file, row and column."""
+    from learner.data.prompts import load_datasets
 
     return load_datasets(cfg, tokenizer)
 

@@ -4,11 +4,11 @@
     ranks 1..N-1:                                          receive their share <---------+
     every rank:  update (S optimizer steps, DeepSpeed)  ->  weight snapshot (collective under ZeRO-3)
     rank 0:  version += S -> ledger: trained; grants resume -> broadcast weights to the actors
-             -> every eval.every_steps: the actors evaluate this version (learner/evaluation.py)
+             -> every eval.every_steps: the actors evaluate this version (learner/hub/evaluation.py)
              -> every checkpoint.every_steps: Hugging Face checkpoint (learner/checkpoint.py)
                 plus the training state; every rank saves its DeepSpeed shard (learner/resume.py)
              -> metrics
-    until the next update: any live actor that lacks the current version gets it (learner/weight_sync.py)
+    until the next update: any live actor that lacks the current version gets it (learner/weights/sync.py)
 
 `--resume`: every rank loads the newest complete checkpoint's engines; rank 0 restores the hub
 (ledger, version, counters) and the metrics rows before any actor can register.
@@ -27,11 +27,10 @@ import numpy as np
 import torch
 
 from learner.checkpoint import WRITE_ERRORS, CheckpointManager, hf_writer, staging_dir
-from learner.data import load_datasets
-from learner.distributed import Topology, init_distributed, make_topology
-from learner.evaluation import Evaluator
-from learner.hub import Hub
-from learner.intake import take_update_batch
+from learner.data.prompts import load_datasets
+from learner.hub.evaluation import Evaluator
+from learner.hub.intake import take_update_batch
+from learner.hub.server import Hub
 from learner.metrics import MetricsWriter
 from learner.model_files import load_tokenizer
 from learner.plan import make_plan, render
@@ -49,10 +48,11 @@ from learner.resume import (
 )
 from learner.rollout_stats import rollout_metrics
 from learner.samples import SampleWriter
-from learner.shard import Share, scatter_shares
-from learner.trainer import StepLayout, Trainer, make_shares
+from learner.train.distributed import Topology, init_distributed, make_topology
+from learner.train.shard import Share, scatter_shares
+from learner.train.trainer import StepLayout, Trainer, make_shares
 from learner.wandb_log import WandbLogger
-from learner.weight_sync import WeightSender
+from learner.weights.sync import WeightSender
 from protocol import weights as wg
 from protocol.config import Config, ConfigError, dump_toml, parse_cpus
 from protocol.logs import learner_log_file, set_context, setup_logging
@@ -144,7 +144,7 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     wandb = WandbLogger(cfg.log, run_dir, cfg.to_dict()) if cfg.log.wandb else None
     if wandb is not None:
         log.info("learner.wandb", mode=cfg.log.wandb_mode, run=wandb.where)
-    hub = Hub(cfg, prompts, control_file=run_dir / "control.toml")  # operator's live settings (learner/control.py)
+    hub = Hub(cfg, prompts, control_file=run_dir / "control.toml")  # operator's live settings (learner/hub/control.py)
     version, updates = 0, 0
     kept_rows: list[dict] = []
     last_row: dict = {}  # the newest metrics row, kept in the checkpoint's learner state

@@ -8,7 +8,7 @@ backward with flash/varlen attention (no [tokens, tokens] score matrix):
 - with gradient checkpointing: each layer's input (tokens x layers x h b), plus one layer's
   activations recomputed in backward and its gradients (2 x tokens x layer).
 Plus the scored hidden states and the final norm (3 tokens x h b), the logits of one chunk of
-tokens in float32 with their softmax and gradient (learner/scoring.py: chunk x V x (12 + b); with top-p, the
+tokens in float32 with their softmax and gradient (learner/train/scoring.py: chunk x V x (12 + b); with top-p, the
 sorted copy and its softmax and cumulative sum, 12 more; with top-k, 5 more),
 the float32 sum of the lm_head's gradient (V x h x 4), and under ZeRO-3 the parameters it
 keeps gathered at once (DeepSpeed's stage3_max_live_parameters, 1e9 by default).

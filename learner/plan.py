@@ -13,7 +13,7 @@ Semantics (issue #3):
 - Samples per mini-batch M = rollout batch / mini_batches; per DP rank M / DP; micro-batches per rank
   (gradient accumulation) A = (M / DP) / train.micro_batch_samples. Every division is exact and DP <= M.
   With a token budget (train.max_tokens_per_micro_batch > 0) the micro-batches are cut by tokens at every
-  update (learner/micro_batches.py): A is then at most M / DP, and the budget x SP must hold the longest
+  update (learner/train/micro_batches.py): A is then at most M / DP, and the budget x SP must hold the longest
   sample (actor.max_model_len tokens).
 - Run length: train.total_steps rollout batches, or total_episodes / rollout batch when train.total_episodes > 0
   (whole). Over N training prompts: N / prompts_per_step steps per epoch, steps x prompts_per_step / N epochs,
@@ -166,8 +166,8 @@ def held_out(rows: int, val_fraction: float) -> int:
 
 def prompt_count(cfg: Config) -> tuple[int | None, str]:
     """Training prompts and where the number comes from: the set when at hand, else data.num_prompts."""
-    from learner.data import addition_items
-    from learner.data_sources import count_rows
+    from learner.data.prompts import addition_items
+    from learner.data.sources import count_rows
 
     d = cfg.data
     if d.task == "addition":
@@ -211,7 +211,7 @@ def model_memory(name: str, n: int, dtype: str, stage: int, shards: int, trained
     if not trained:  # the frozen reference: weights only
         return ModelMemory(name=name, params=params, grads=0.0, optimizer=0.0)
     adam = 8 + (4 if b < 4 else 0)  # m and v in fp32, plus the fp32 master weights under bf16
-    grad = 4  # accumulated in fp32 whatever the training dtype (learner/trainer.py: grad_accum_dtype)
+    grad = 4  # accumulated in fp32 whatever the training dtype (learner/train/trainer.py: grad_accum_dtype)
     return ModelMemory(name=name, params=params, grads=n * grad / (shards if stage >= 2 else 1),
                        optimizer=n * adam / (shards if stage >= 1 else 1))
 

@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from learner.distributed import Topology
+from learner.train.distributed import Topology
 from protocol.config import ConfigError
 from protocol.logs import get_logger
 
 if TYPE_CHECKING:
-    from learner.trainer import Trainer
+    from learner.train.trainer import Trainer
 
 STATE_DIR = "state"
 LEARNER_FILE = "learner.json"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from learner.data import addition_items
+from learner.data.prompts import addition_items
 
 
 def warm_start(model_dir: Path, steps: int, seed: int, smoothing: float, lr: float = 3e-3) -> dict[str, float]:

@@ -36,14 +36,14 @@ class ModelConfig:
     arch: str = ""  # a config.json of the model's architecture, for `fleetrl plan` when model.path is not here (configs/models/)
 
 
-DATA_FORMATS = ("plain", "orz", "verl", "open_instruct")  # data.format: learner/data_rows.py's FORMATS
+DATA_FORMATS = ("plain", "orz", "verl", "open_instruct")  # data.format: learner/data/rows.py's FORMATS
 
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     task: str = "addition"  # built-in prompt set ("addition"), or "file": the rows at `path`
     path: str = ""  # prompt set when task = "file": a .json/.jsonl/.parquet file, a folder of them, or a hub dataset id
-    format: str = "plain"  # column mapping: plain (prompt, answer) | orz | verl | open_instruct (learner/data_rows.py)
+    format: str = "plain"  # column mapping: plain (prompt, answer) | orz | verl | open_instruct (learner/data/rows.py)
     prompt_key: str = ""  # column holding the prompt, a string or chat messages; dotted for nested ("" = data.format's)
     answer_key: str = ""  # column holding the reference answer; dotted for nested, e.g. reward_model.ground_truth ("" = data.format's)
     prompt_template: str = ""  # a string prompt's text: "{prompt}" (and "{bos_token}") replaced ("" = data.format's; plain: "{prompt}")

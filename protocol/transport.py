@@ -16,7 +16,7 @@ both directions. Bounds, and how each fails:
   message whole): an authorised key holder could still make the hub hold one huge one.
 
 CURVE (protocol/auth.py): with keys, the hub is a CURVE server and asks the ZAP handler
-(learner/gatekeeper.py) about every client key; ZAP_ENFORCE_DOMAIN makes a missing handler
+(learner/hub/gatekeeper.py) about every client key; ZAP_ENFORCE_DOMAIN makes a missing handler
 refuse everyone instead of admitting everyone. A refused client's handshake fails, so not
 one of its messages reaches the hub, and nothing is ever sent to it.
 """

@@ -9,7 +9,7 @@ old one.
 Parameters travel as flat buckets of at most `bucket_bytes`, one broadcast per
 bucket: a round trip per parameter is what makes naive syncs slow. Both sides
 derive the same bucket layout from (names, shapes, dtype) with `plan_buckets`. Rank 0's
-side of a bucket (which memory it is sent from) is learner/weight_buckets.py.
+side of a bucket (which memory it is sent from) is learner/weights/buckets.py.
 
 Backend and device, decided here and nowhere else (`plan_group`, per group epoch, by the
 learner, which names the backend in each WeightSync): NCCL when every rank is on a GPU of

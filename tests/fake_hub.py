@@ -1,4 +1,4 @@
-"""A hub stand-in for driving learner/weight_sync.py's WeightSender without sockets: the members and their
+"""A hub stand-in for driving learner/weights/sync.py's WeightSender without sockets: the members and their
 registered devices are given, the WeightSyncs it would send are recorded, and an eviction fails the test."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learner.advantages import (
+from learner.train.advantages import (
     GAEAdvantage,
     GroupAdvantage,
     dr_grpo,

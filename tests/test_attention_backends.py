@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import learner.varlen_attention as va
-from learner.ring_attention import FlashBlocks, MatmulBlocks, RingContext, ring_blocks_attention
+import learner.train.attention.varlen as va
+from learner.train.attention.ring import FlashBlocks, MatmulBlocks, RingContext, ring_blocks_attention
 from protocol.net import free_port
 
 BF16 = torch.bfloat16

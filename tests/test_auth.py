@@ -21,8 +21,8 @@ from scripted_actor import ScriptedActor
 
 from deploy.cli import main as cli
 from deploy.tiny import build_tokenizer
-from learner.data import PromptSet, addition_items
-from learner.hub import Hub
+from learner.data.prompts import PromptSet, addition_items
+from learner.hub.server import Hub
 from protocol import auth, transport
 from protocol import messages as m
 from protocol import weights as wg

@@ -156,7 +156,7 @@ def test_a_learner_starts_past_a_lock_a_killed_build_left(tmp_path):
     os.utime(lock, (time.time() - 5, time.time() - 5))
     code = textwrap.dedent("""
         import torch.distributed as dist
-        from learner.distributed import init_distributed
+        from learner.train.distributed import init_distributed
         init_distributed()
         print("initialised", dist.get_world_size(), flush=True)
         dist.destroy_process_group()

@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file
 
 from deploy.tiny import write_tiny_model
-from learner.critic import HEAD_FILE, Critic
-from learner.losses import value_loss
+from learner.train.critic import HEAD_FILE, Critic
+from learner.train.losses import value_loss
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from structlog.testing import capture_logs
 from deploy.cli import main
 from deploy.ctl import request, set_setting
 from deploy.tiny import build_tokenizer
-from learner.data import PromptSet, addition_items
-from learner.hub import Hub
+from learner.data.prompts import PromptSet, addition_items
+from learner.hub.server import Hub
 from protocol import messages as m
 from protocol.config import load_config
 from protocol.net import free_port

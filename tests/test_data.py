@@ -11,9 +11,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from deploy.tiny import build_tokenizer
-from learner.data import addition_items, load_datasets, split_holdout
-from learner.data_rows import FORMATS, read_rows
-from learner.data_sources import count_rows
+from learner.data.prompts import addition_items, load_datasets, split_holdout
+from learner.data.rows import FORMATS, read_rows
+from learner.data.sources import count_rows
 from protocol.config import DATA_FORMATS, ConfigError, dump_toml, load_config
 
 ROWS = [{"q": f"{a}+{b}=", "a": a + b, "extra": "x"} for a in range(5) for b in range(4)]  # 20 rows, int answers

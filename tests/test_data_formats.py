@@ -14,10 +14,10 @@ import pytest
 import zmq
 
 from deploy.tiny import build_tokenizer
-from learner.data import PromptSet
-from learner.data_rows import _MISSING, Row, lookup, plain, read_rows
-from learner.evaluation import EvalRound, Sampling
-from learner.hub import Hub
+from learner.data.prompts import PromptSet
+from learner.data.rows import _MISSING, Row, lookup, plain, read_rows
+from learner.hub.evaluation import EvalRound, Sampling
+from learner.hub.server import Hub
 from protocol import messages as m
 from protocol.codec import decode, encode
 from protocol.config import ConfigError, load_config
@@ -106,7 +106,7 @@ def test_prompt_template_and_chat_template_for_string_prompts(tmp_path):
     assert read(path, "data.prompt_template={bos_token}{prompt}=")[0].text == "<bos>1+2="
     assert read(path, "data.chat_template=true")[0].text == "1+2="  # a user turn through the chat template
     assert read(path, "data.chat_template=true", "data.prompt_template=({prompt})")[0].text == "(1+2)="  # template first
-    from learner.data import load_datasets
+    from learner.data.prompts import load_datasets
 
     cfg = load_config(None, ["data.task=file", f"data.path={path}", "data.chat_template=true"])
     with pytest.raises(ConfigError, match=r"^data.chat_template: the tokenizer at model.path has no chat template"):

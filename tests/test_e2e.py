@@ -75,7 +75,7 @@ def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
     # The checkpoint reloads with transformers, and its greedy answers score what the vLLM actor measured.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from learner.data import addition_items, split_holdout
+    from learner.data.prompts import addition_items, split_holdout
 
     model = AutoModelForCausalLM.from_pretrained(ckpt_dir / "step-6", dtype=torch.float32)
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -13,9 +13,9 @@ from scripted_actor import ScriptedActor
 from structlog.testing import capture_logs
 
 from deploy.tiny import build_tokenizer
-from learner.data import PromptSet, load_datasets
-from learner.evaluation import EvalRound, Evaluator, Sampling
-from learner.hub import Hub
+from learner.data.prompts import PromptSet, load_datasets
+from learner.hub.evaluation import EvalRound, Evaluator, Sampling
+from learner.hub.server import Hub
 from protocol import messages as m
 from protocol.codec import decode, encode
 from protocol.config import load_config

@@ -16,8 +16,8 @@ import zmq
 from scripted_actor import ScriptedActor
 
 from deploy.tiny import build_tokenizer
-from learner.data import PromptSet, addition_items
-from learner.hub import Hub
+from learner.data.prompts import PromptSet, addition_items
+from learner.hub.server import Hub
 from protocol import auth
 from protocol import messages as m
 from protocol.codec import decode, encode

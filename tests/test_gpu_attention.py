@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import learner.varlen_attention as va
-from learner.ring_attention import FlashBlocks, MatmulBlocks, RingContext, _rects, ring_attention
+import learner.train.attention.varlen as va
+from learner.train.attention.ring import FlashBlocks, MatmulBlocks, RingContext, _rects, ring_attention
 from tests.test_packing import make_samples, tiny_qwen2
 
 pytestmark = pytest.mark.gpu
@@ -175,9 +175,9 @@ def test_ring_of_one_gpu_matches_reference(group_of_one):
 
 def test_packed_model_matches_padded_on_gpu():
     """A 14/2-head Qwen2 in bf16: the packed row through the chosen kernel gives the padded batch's logprobs."""
-    from learner.batch import make_micro_batch, token_logprobs
-    from learner.hf_attention import VARLEN
-    from learner.packing import pack_samples
+    from learner.train.attention.hf import VARLEN
+    from learner.train.batch import make_micro_batch, token_logprobs
+    from learner.train.packing import pack_samples
 
     samples = make_samples()
     model = tiny_qwen2(HEADS, KV_HEADS).to("cuda", BF16)

@@ -6,8 +6,8 @@ import zmq
 from conftest import rollout_group
 
 from deploy.tiny import build_tokenizer
-from learner.data import PromptSet, addition_items
-from learner.hub import Hub
+from learner.data.prompts import PromptSet, addition_items
+from learner.hub.server import Hub
 from protocol import messages as m
 from protocol.codec import decode, encode
 from protocol.config import load_config

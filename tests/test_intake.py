@@ -8,10 +8,10 @@ import structlog
 from conftest import rollout_group
 
 from deploy.tiny import build_tokenizer
-from learner.data import PromptSet, addition_items
-from learner.hub import Accepted, Hub
-from learner.intake import MAX_FILTERED_BATCHES, take_update_batch
-from learner.ledger import State
+from learner.data.prompts import PromptSet, addition_items
+from learner.hub.intake import MAX_FILTERED_BATCHES, take_update_batch
+from learner.hub.ledger import State
+from learner.hub.server import Accepted, Hub
 from protocol.config import load_config
 
 

@@ -1,4 +1,4 @@
-from learner.ledger import Ledger, State
+from learner.hub.ledger import Ledger, State
 
 
 def test_lifecycle_and_counts():

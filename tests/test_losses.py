@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learner.losses import (
+from learner.train.losses import (
     DecoupledPPO,
     NoCorrection,
     PolicyLoss,
@@ -15,7 +15,7 @@ from learner.losses import (
     make_policy_loss,
     value_loss,
 )
-from learner.scoring import ChunkedLogprobs
+from learner.train.scoring import ChunkedLogprobs
 from protocol.config import AlgoConfig
 
 # Five tokens shared by the correction tests; clip range [0.8, 1.28] (clip_low .2, clip_high .28).
@@ -108,7 +108,7 @@ def test_kl_estimators_by_hand():
 
 
 def chunked_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """The trainer's entropy (learner/scoring.py) of given logits: hidden = the logits, lm_head = identity."""
+    """The trainer's entropy (learner/train/scoring.py) of given logits: hidden = the logits, lm_head = identity."""
     eye = torch.eye(logits.shape[1], dtype=logits.dtype)
     return ChunkedLogprobs.apply(logits, eye, torch.zeros(len(logits), dtype=torch.long), temperature, 2, True)[:, 1]
 

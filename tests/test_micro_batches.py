@@ -1,12 +1,12 @@
-"""Token-budget micro-batches (learner/micro_batches.py) and their trip through a share (learner/shard.py)."""
+"""Token-budget micro-batches (learner/train/micro_batches.py) and their trip through a share (learner/train/shard.py)."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.batch import Sample
-from learner.micro_batches import balanced_ranks, cut_mini_batch, pack_tokens, split_to
-from learner.shard import decode_share, encode_share, split_rollout_batch
+from learner.train.batch import Sample
+from learner.train.micro_batches import balanced_ranks, cut_mini_batch, pack_tokens, split_to
+from learner.train.shard import decode_share, encode_share, split_rollout_batch
 
 
 def test_pack_tokens_first_fit_decreasing():
@@ -79,7 +79,7 @@ def test_shares_carry_the_cut_and_the_mini_batch_tokens():
 def test_deepspeed_sums_micro_batch_gradients_in_fp32_under_bf16():
     """Left to DeepSpeed's default (the model's dtype), each of a token-budget step's micro-batches would round
     the running gradient sum to bf16."""
-    from learner.trainer import StepLayout, deepspeed_config
+    from learner.train.trainer import StepLayout, deepspeed_config
     from protocol.config import load_config
 
     layout = StepLayout(mini_batches=1, ppo_epochs=1, micro_samples=1, accumulation=8)

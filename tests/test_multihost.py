@@ -213,7 +213,7 @@ def cut_while_lagging(host: Host, fleet: Fleet, attempts: int = 10) -> int:
 def test_lone_actor_cut_and_restored_resumes_training(netns, tiny_model_dir, tmp_path):  # noqa: F811
     """The only actor is cut before it loads the learner's newest version. No actor serves that version, so the
     hub grants nothing, no update and so no regular sync can follow: the learner must send the weights again
-    while it waits (learner/weight_sync.py serves the current version to whoever lacks it). Without that, the
+    while it waits (learner/weights/sync.py serves the current version to whoever lacks it). Without that, the
     run stalled forever once the actor was back."""
     fleet = start_fleet(netns, tiny_model_dir, tmp_path, ["actor1"])
     a1, log, metrics, procs = fleet.hosts["actor1"], fleet.log, fleet.metrics, fleet.procs

@@ -6,10 +6,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.masking_utils import create_causal_mask
 
-from learner.batch import Sample, make_micro_batch, token_logprobs
-from learner.hf_attention import VARLEN
-from learner.losses import make_policy_loss
-from learner.packing import pack_samples, packing_efficiency
+from learner.train.attention.hf import VARLEN
+from learner.train.batch import Sample, make_micro_batch, token_logprobs
+from learner.train.losses import make_policy_loss
+from learner.train.packing import pack_samples, packing_efficiency
 from protocol.config import AlgoConfig
 
 # (total length, prompt length): different lengths, a one-token completion, a one-token prompt
@@ -129,10 +129,10 @@ def test_packing_efficiency():
 
 
 def test_layout_and_attention_are_chosen_once_from_the_config():
-    from learner.batch import MicroBatch
-    from learner.hf_attention import RING
-    from learner.layout import attention_implementation, micro_batch_layout
-    from learner.packing import PackedBatch
+    from learner.train.attention.hf import RING
+    from learner.train.batch import MicroBatch
+    from learner.train.layout import attention_implementation, micro_batch_layout
+    from learner.train.packing import PackedBatch
     from protocol.config import ConfigError, load_config
 
     samples = make_samples()

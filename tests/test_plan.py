@@ -346,7 +346,7 @@ def test_recipes_end_with_a_departures_table(path):
 
 
 def test_top_p_counts_the_sorted_chunk():
-    """Top-p masking sorts each chunk of logits (learner/scoring.py): 12 more bytes per logit of a chunk."""
+    """Top-p masking sorts each chunk of logits (learner/train/scoring.py): 12 more bytes per logit of a chunk."""
     plain = plan_of("orz_0p5b_ppo.toml").activations
     nucleus = plan_of("orz_0p5b_ppo.toml", "rollout.top_p=0.9").activations
     assert nucleus.head - plain.head == 1024 * 151936 * 12 and nucleus.layers == plain.layers

@@ -5,8 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from deploy.tiny import write_tiny_model
-from learner.batch import Sample, make_micro_batch, token_logprobs
-from learner.reference import ReferencePolicy
+from learner.train.batch import Sample, make_micro_batch, token_logprobs
+from learner.train.reference import ReferencePolicy
 
 
 def test_reference_logprobs_match_the_policy_and_stay_frozen(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.ledger import Ledger, State
+from learner.hub.ledger import Ledger, State
 from learner.resume import LearnerState, latest_checkpoint, restore_metrics
 from protocol.net import free_port
 
@@ -86,8 +86,8 @@ def test_restored_hub_admits_only_actors_serving_its_weights():
     from conftest import rollout_group
 
     from deploy.tiny import build_tokenizer
-    from learner.data import PromptSet, addition_items
-    from learner.hub import Hub
+    from learner.data.prompts import PromptSet, addition_items
+    from learner.hub.server import Hub
     from protocol import messages as m
     from protocol.codec import decode, encode
     from protocol.config import load_config

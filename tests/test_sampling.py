@@ -1,7 +1,7 @@
 """Top-k / top-p and stop strings: the learner scores the distribution the actor sampled from.
 
 vLLM (logprobs_mode="processed_logprobs") reports each sampled token's logprob under softmax(logits / t)
-renormalised over what top-k then top-p keep (vllm/v1/sample/ops/topk_topp_sampler.py). learner/scoring.py's
+renormalised over what top-k then top-p keep (vllm/v1/sample/ops/topk_topp_sampler.py). learner/train/scoring.py's
 ChunkedLogprobs masks each chunk the same way. Checked three ways:
 - the kept set against vLLM's own apply_top_k_top_p_pytorch, and values and gradients against a plain
   full-logits reference (with gradcheck);
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.scoring import ChunkedLogprobs, install_scoring_head, score_tokens, threshold
+from learner.train.scoring import ChunkedLogprobs, install_scoring_head, score_tokens, threshold
 from tests.test_scoring import LargestTensor
 
 CASES = [(0, 0.8), (4, 1.0), (5, 0.7), (0, 0.3), (3, 0.999)]  # (top_k, top_p); top_k 0 and top_p 1 are off
@@ -149,7 +149,7 @@ PROMPT = np.array([5, 6, 17, 7, 15], dtype=np.int32)
 
 
 def learner_logprobs(model, head, completions, s, top_k=None, top_p=None):
-    from learner.batch import Sample, make_micro_batch
+    from learner.train.batch import Sample, make_micro_batch
 
     samples = [Sample(tokens=np.concatenate([PROMPT, c.token_ids]), prompt_len=len(PROMPT), behaviour_logprobs=c.logprobs,
                       advantage=0.0, reward=0.0, version_min=0, version_max=0) for c in completions]

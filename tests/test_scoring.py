@@ -1,4 +1,4 @@
-"""Chunked logprobs (learner/scoring.py): the same numbers and gradients as full logits, without a [T, V] tensor;
+"""Chunked logprobs (learner/train/scoring.py): the same numbers and gradients as full logits, without a [T, V] tensor;
 and gradient checkpointing really recomputes the layers, with the packed kwargs, to the same gradients."""
 
 import pytest
@@ -6,11 +6,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from learner.batch import token_logprobs
-from learner.hf_attention import VARLEN
-from learner.packing import pack_samples
-from learner.scoring import ChunkedLogprobs, ScoringHead, install_scoring_head, score_tokens
-from learner.trainer import _checkpoint_layers
+from learner.train.attention.hf import VARLEN
+from learner.train.batch import token_logprobs
+from learner.train.packing import pack_samples
+from learner.train.scoring import ChunkedLogprobs, ScoringHead, install_scoring_head, score_tokens
+from learner.train.trainer import _checkpoint_layers
 from tests.test_packing import make_samples
 
 

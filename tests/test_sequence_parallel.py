@@ -51,7 +51,7 @@ def _reference_attention(q, k, v, cu_seqlens, scale):
 
 
 def _ring_worker(rank, world, port):
-    from learner.ring_attention import RingContext, ring_attention
+    from learner.train.attention.ring import RingContext, ring_attention
 
     _init(rank, world, port)
     # (lengths, 24 tokens in all, heads, kv heads): boundaries inside chunks, one sample over every chunk,
@@ -95,7 +95,7 @@ def _tiny_gqa_model():
 
 
 def _samples(shapes):
-    from learner.batch import Sample
+    from learner.train.batch import Sample
 
     rng = np.random.default_rng(len(shapes))
     return [Sample(tokens=rng.integers(0, 40, n).astype(np.int32), prompt_len=p,
@@ -105,8 +105,8 @@ def _samples(shapes):
 
 
 def _loss(model, kwargs, batch, total_tokens):
-    from learner.batch import token_logprobs
-    from learner.losses import make_policy_loss
+    from learner.train.batch import token_logprobs
+    from learner.train.losses import make_policy_loss
     from protocol.config import AlgoConfig
 
     logp = token_logprobs(model(**kwargs).logits, batch, temperature=0.7)
@@ -114,9 +114,9 @@ def _loss(model, kwargs, batch, total_tokens):
 
 
 def _model_worker(rank, world, port):
-    from learner.hf_attention import RING, VARLEN
-    from learner.layout import micro_batch_layout
-    from learner.packing import pack_samples
+    from learner.train.attention.hf import RING, VARLEN
+    from learner.train.layout import micro_batch_layout
+    from learner.train.packing import pack_samples
     from protocol.config import load_config
 
     _init(rank, world, port)
@@ -177,9 +177,9 @@ def test_sp2_loss_and_gradients_equal_unsplit_row():
 def _deepspeed_worker(rank, world, port):
     import deepspeed
 
-    from learner.hf_attention import RING, VARLEN
-    from learner.packing import pack_samples
-    from learner.sequence_parallel import init_sequence_parallel, shard_packed
+    from learner.train.attention.hf import RING, VARLEN
+    from learner.train.packing import pack_samples
+    from learner.train.sequence_parallel import init_sequence_parallel, shard_packed
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -227,7 +227,7 @@ def test_ring_flash_attn_matches_dense_on_gpu():
 
 
 def _gpu_ring_worker(rank, world, port):
-    from learner.ring_attention import RingContext, ring_attention
+    from learner.train.attention.ring import RingContext, ring_attention
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)

@@ -10,9 +10,9 @@ import pytest
 from scripted_actor import ScriptedActor
 
 from deploy.tiny import build_tokenizer
-from learner import staleness as st
-from learner.data import PromptSet, addition_items
-from learner.hub import Hub
+from learner.data.prompts import PromptSet, addition_items
+from learner.hub import staleness as st
+from learner.hub.server import Hub
 from protocol.config import load_config
 from protocol.net import free_port
 

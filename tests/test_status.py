@@ -15,8 +15,8 @@ from scripted_actor import ScriptedActor
 from deploy.cli import main
 from deploy.status import fetch
 from deploy.tiny import build_tokenizer
-from learner.data import PromptSet, addition_items
-from learner.hub import Hub
+from learner.data.prompts import PromptSet, addition_items
+from learner.hub.server import Hub
 from protocol import messages as m
 from protocol.codec import decode, encode
 from protocol.config import load_config

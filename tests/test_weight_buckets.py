@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from actors.weight_receiver import WeightReceiver
-from learner.weight_buckets import Buckets
-from learner.weight_sync import WeightSender
+from learner.weights.buckets import Buckets
+from learner.weights.sync import WeightSender
 from protocol.config import WeightsConfig
 
 SHAPES = [[64, 32], [32], [128, 64], [7], [256, 256]]
@@ -142,8 +142,8 @@ def test_deepspeed_zero2_guarded_sync(tiny_model_dir):
     flight waits for it (the hook sits on the torch optimizer inside, before ZeRO writes the parameters)."""
     from transformers import AutoModelForCausalLM
 
-    from learner.distributed import init_distributed, make_topology
-    from learner.trainer import StepLayout, Trainer
+    from learner.train.distributed import init_distributed, make_topology
+    from learner.train.trainer import StepLayout, Trainer
     from protocol.config import load_config
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "train.zero_stage=2", "train.micro_batch_samples=64", "weights.bucket_mb=1"])

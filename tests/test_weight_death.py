@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from deploy.tiny import build_tokenizer
-from learner.data import PromptSet, addition_items
-from learner.hub import Hub
-from learner.weight_sync import WeightSender
+from learner.data.prompts import PromptSet, addition_items
+from learner.hub.server import Hub
+from learner.weights.sync import WeightSender
 from protocol.config import load_config
 from protocol.net import free_port
 

@@ -92,8 +92,8 @@ def test_hub_keeps_the_devices_each_actor_registered():
     import zmq
 
     from deploy.tiny import build_tokenizer
-    from learner.data import PromptSet, addition_items
-    from learner.hub import Hub
+    from learner.data.prompts import PromptSet, addition_items
+    from learner.hub.server import Hub
     from protocol.codec import decode, encode
     from protocol.net import free_port
 
@@ -177,7 +177,7 @@ class _Worker:
 def test_a_tensor_parallel_member_receives_on_every_worker_rank():
     """A two-worker engine ("tp") and a one-worker one ("zz") over real gloo: the sender gives tp ranks 1-2 and
     zz rank 3 of 4; each of tp's workers joins as its own rank (first + its vLLM rank) and gets every bucket."""
-    from learner.weight_sync import WeightSender
+    from learner.weights.sync import WeightSender
     from protocol.config import WeightsConfig
 
     torch.manual_seed(0)

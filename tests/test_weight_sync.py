@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from learner.batch import Sample, make_micro_batch, token_logprobs
-from learner.weight_sync import WeightSender
+from learner.train.batch import Sample, make_micro_batch, token_logprobs
+from learner.weights.sync import WeightSender
 from protocol.config import load_config
 
 pytestmark = pytest.mark.engine

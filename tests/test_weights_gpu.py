@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.weight_buckets import Buckets
+from learner.weights.buckets import Buckets
 from protocol import weights as wg
 from protocol.abortable import Abortable, Graveyard
 
@@ -100,7 +100,7 @@ def test_one_gpu_learner_and_engine_sync_through_pinned_host_memory(tmp_path):
 
     from actors.engine import Engine
     from deploy.tiny import write_tiny_model
-    from learner.weight_sync import WeightSender
+    from learner.weights.sync import WeightSender
     from protocol.config import load_config
 
     path = write_tiny_model(tmp_path / "model", seed=3)
@@ -159,7 +159,7 @@ def test_one_gpu_learner_and_engine_sync_through_pinned_host_memory(tmp_path):
 def test_staging_crosses_the_bus_in_one_reused_buffer(to_host):
     """A host snapshot bucket (weights.snapshot = host) reaches an NCCL group as a GPU copy; a GPU bucket reaches a
     gloo group (the shared-GPU fallback) as a pinned host copy. One buffer serves every bucket."""
-    from learner.weight_buckets import Staging
+    from learner.weights.buckets import Staging
 
     cuda = torch.device("cuda", torch.cuda.current_device())
     src_dev, dst_dev = (cuda, torch.device("cpu")) if to_host else (torch.device("cpu"), cuda)

@@ -24,7 +24,6 @@ sys.path.insert(0, str(ROOT / "tests" / "drivers"))
 from train_steps import groups_for  # noqa: E402
 
 from learner.checkpoint import CheckpointManager, staging_dir  # noqa: E402
-from learner.distributed import init_distributed, make_topology  # noqa: E402
 from learner.plan import make_plan  # noqa: E402
 from learner.resume import (  # noqa: E402
     STATE_DIR,
@@ -35,8 +34,9 @@ from learner.resume import (  # noqa: E402
     save_engines,
     write_learner_state,
 )
-from learner.shard import scatter_shares  # noqa: E402
-from learner.trainer import StepLayout, Trainer, make_shares  # noqa: E402
+from learner.train.distributed import init_distributed, make_topology  # noqa: E402
+from learner.train.shard import scatter_shares  # noqa: E402
+from learner.train.trainer import StepLayout, Trainer, make_shares  # noqa: E402
 from protocol import weights as wg  # noqa: E402
 from protocol.config import load_config  # noqa: E402
 

@@ -3,7 +3,7 @@
     python -m torch.distributed.run --nproc-per-node N tests/drivers/train_steps.py MODEL_DIR OUT.json [section.field=value ...]
 
 Rank 0 builds the same seeded groups whatever the world size, advantages it, cuts the shares
-and scatters them (learner/shard.py); every rank trains its share (learner/trainer.py) and joins
+and scatters them (learner/train/shard.py); every rank trains its share (learner/train/trainer.py) and joins
 the weight snapshot. Rank 0 writes the loss of every update and a checksum of the weights.
 """
 
@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.synthetic import synthetic_groups  # noqa: E402
-from learner.distributed import init_distributed, make_topology  # noqa: E402
 from learner.plan import make_plan  # noqa: E402
-from learner.shard import scatter_shares  # noqa: E402
-from learner.trainer import StepLayout, Trainer, make_shares  # noqa: E402
+from learner.train.distributed import init_distributed, make_topology  # noqa: E402
+from learner.train.shard import scatter_shares  # noqa: E402
+from learner.train.trainer import StepLayout, Trainer, make_shares  # noqa: E402
 from protocol import weights as wg  # noqa: E402
 from protocol.config import load_config  # noqa: E402
 from protocol.messages import RolloutGroup  # noqa: E402

@@ -10,8 +10,8 @@ uninformative groups in it, and says so.
 
 from __future__ import annotations
 
-from learner.advantages import informative_groups
-from learner.hub import Accepted, Hub
+from learner.hub.server import Accepted, Hub
+from learner.train.advantages import informative_groups
 from protocol.config import Config
 
 MAX_FILTERED_BATCHES = 4

@@ -88,7 +88,7 @@ def make_micro_batch(samples: list[Sample], version: int) -> MicroBatch:
 
 
 class TokenBatch(Protocol):
-    """A micro-batch in any layout (learner/layout.py): MicroBatch, PackedBatch or SequenceShard.
+    """A micro-batch in any layout (learner/train/layout.py): MicroBatch, PackedBatch or SequenceShard.
 
     The model runs on `model_kwargs()`; the completion tokens it scores are flat [T],
     in the same order in every layout, so losses and metrics never see the layout.

@@ -26,7 +26,7 @@ from protocol import messages as m
 from protocol.logs import get_logger
 
 if TYPE_CHECKING:
-    from learner.hub import ActorState, Hub
+    from learner.hub.server import ActorState, Hub
 
 RATE_WINDOW_S = 30.0  # per-actor samples/s is measured over this window
 RECENT_GROUPS = 512  # the staleness histogram covers this many recently taken groups

@@ -8,7 +8,7 @@ Targets and score positions are fixed on the whole row before the split, so the
 logit at the last position of rank r still predicts the first token of rank r + 1.
 Each rank scores the completion tokens whose predicting position lies in its chunk;
 position_ids stay the per-sample positions of the whole row (RoPE is unchanged).
-Attention across chunks is the ring (learner/ring_attention.py).
+Attention across chunks is the ring (learner/train/attention/ring.py).
 
 Loss and gradients: rank r's loss is its tokens' share, sum / total tokens of the
 whole step (the policy loss with the step's `total_tokens`, unchanged), so the SP
@@ -32,8 +32,8 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from learner.packing import PackedBatch
-from learner.ring_attention import RingContext
+from learner.train.attention.ring import RingContext
+from learner.train.packing import PackedBatch
 
 
 def init_sequence_parallel(sp_size: int) -> ModuleType:
@@ -66,7 +66,7 @@ class SequenceShard:
     useful: int  # positions of this chunk that hold a sample's token (the rest is SP padding)
 
     def model_kwargs(self) -> dict:
-        """Forward kwargs for a model whose attention is "fleetrl_ring" (learner/hf_attention.py)."""
+        """Forward kwargs for a model whose attention is "fleetrl_ring" (learner/train/attention/hf.py)."""
         return dict(input_ids=self.input_ids, position_ids=self.position_ids, fleetrl_ring=self.ring)
 
 

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from learner.data_sources import Part, read_source
+from learner.data.sources import Part, read_source
 from protocol.config import ConfigError, DataConfig
 
 ORZ_TEMPLATE = (

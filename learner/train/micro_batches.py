@@ -15,7 +15,7 @@ the largest count any rank needs and splits the other ranks' largest micro-batch
 they have as many (each rank has at least that many samples, so this always works).
 
 The loss does not depend on the cut: every micro-batch divides by the whole mini-batch's
-token count (learner/losses.py), so the micro-batches' losses sum to the mini-batch's.
+token count (learner/train/losses.py), so the micro-batches' losses sum to the mini-batch's.
 """
 
 from __future__ import annotations

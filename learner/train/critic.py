@@ -58,7 +58,7 @@ class Critic(nn.Module):
 
         Packed rows (several sequences in one row): pass position_ids restarting at 0 for each
         sequence and no attention_mask; transformers then masks attention to each sequence's block.
-        `attention_kwargs` carry a packed or sequence-parallel layout's boundaries (learner/layout.py).
+        `attention_kwargs` carry a packed or sequence-parallel layout's boundaries (learner/train/layout.py).
         """
         # use_cache=False: with a KV cache transformers skips the packed-sequence detection, and a
         # packed row would silently attend across its sequences.

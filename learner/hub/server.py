@@ -4,7 +4,7 @@
                                                                                       |
                     hub thread (own uvloop loop; owns the socket)                     v
         registry ---- dispatcher (admission control) ---- ledger ---- buffer
-                  +--- eval round (learner/evaluation.py; outside ledger and admission)
+                  +--- eval round (learner/hub/evaluation.py; outside ledger and admission)
                                                                                       |
     training thread <-- take_batch() (blocks on `cond`) ------------------------------+
                     --> begin_update() / finish_update() / send_weight_sync()
@@ -30,12 +30,12 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from learner import control
-from learner import staleness as st
-from learner.data import PromptSet
-from learner.evaluation import EvalRound
-from learner.gatekeeper import Gatekeeper
-from learner.ledger import Key, Ledger
+from learner.data.prompts import PromptSet
+from learner.hub import control
+from learner.hub import staleness as st
+from learner.hub.evaluation import EvalRound
+from learner.hub.gatekeeper import Gatekeeper
+from learner.hub.ledger import Key, Ledger
 from protocol import auth, transport
 from protocol import messages as m
 from protocol.config import Config, ConfigError
@@ -86,7 +86,7 @@ class Hub:
         self.eval_round: EvalRound | None = None  # at most one; its grants never count as outstanding
         self.counters: Counter[str] = Counter()
         self.stopping = False
-        # Operations (learner/control.py): `fleetrl ctl`, `fleetrl status`, RUN_DIR/control.toml.
+        # Operations (learner/hub/control.py): `fleetrl ctl`, `fleetrl status`, RUN_DIR/control.toml.
         self.started = time.monotonic()
         self.batch_max_staleness = self.max_staleness  # the k the current update's batch was checked with
         self.recent_staleness: deque[int] = deque(maxlen=control.RECENT_GROUPS)  # (u + S - 1) - v of taken groups
@@ -154,7 +154,7 @@ class Hub:
                     batch = sorted(self.buffer, key=lambda i: i.group.version_min)[:n]
                     taken = {id(i) for i in batch}
                     self.buffer = deque(i for i in self.buffer if id(i) not in taken)
-                    # A top-up take (learner/intake.py) joins an update already being assembled: its groups
+                    # A top-up take (learner/hub/intake.py) joins an update already being assembled: its groups
                     # passed an earlier take's k, so the update's bound is the largest k of its takes.
                     k = self.max_staleness
                     self.batch_max_staleness = max(self.batch_max_staleness, k) if self.training else k
@@ -205,7 +205,7 @@ class Hub:
         return rnd
 
     def set_max_staleness(self, k: int, source: str = "api") -> int:
-        """Takes effect for admission at once and for every batch taken after it (learner/control.py); returns the old k."""
+        """Takes effect for admission at once and for every batch taken after it (learner/hub/control.py); returns the old k."""
         if k < self.steps - 1:
             raise ValueError(f"max_staleness: {k} < {self.steps} optimizer steps per update - 1; even fresh samples would break it")
         with self.cond:
@@ -529,7 +529,7 @@ class Hub:
             await self._reply(identity, m.Error(code="rejected", detail=why[:MAX_DETAIL]))
         await self._pump()
 
-    # ---- operations (learner/control.py): one request, one reply; the client is not an actor ----
+    # ---- operations (learner/hub/control.py): one request, one reply; the client is not an actor ----
     async def _on_control(self, identity: bytes, msg: m.ControlRequest) -> None:
         await self._send(identity, control.apply(self, msg.key, msg.value, source="fleetrl ctl"))
 

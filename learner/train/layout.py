@@ -4,7 +4,7 @@
     packing = true               one packed row [1, N]              fleetrl_varlen
     sequence_parallel_size > 1   this rank's chunk of the row [1, n] fleetrl_ring (over the SP group)
 
-Every layout yields a TokenBatch (learner/batch.py): model kwargs plus the flat
+Every layout yields a TokenBatch (learner/train/batch.py): model kwargs plus the flat
 completion tokens in one order, so the loss code is the same for all three.
 """
 
@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from learner.batch import Sample, TokenBatch, make_micro_batch
-from learner.hf_attention import RING, VARLEN
-from learner.packing import pack_samples
-from learner.sequence_parallel import shard_packed
+from learner.train.attention.hf import RING, VARLEN
+from learner.train.batch import Sample, TokenBatch, make_micro_batch
+from learner.train.packing import pack_samples
+from learner.train.sequence_parallel import shard_packed
 from protocol.config import TrainConfig
 
 Layout = Callable[[list[Sample], int], TokenBatch]  # (samples, policy version) -> micro-batch

@@ -2,7 +2,7 @@
 
 A share is the rank's samples for every mini-batch of the update, in order (mini-batch 0's
 samples first, each mini-batch's micro-batches back to back), how many samples each
-micro-batch takes (learner/micro_batches.py decides), plus each mini-batch's token count
+micro-batch takes (learner/train/micro_batches.py decides), plus each mini-batch's token count
 over ALL ranks, which the token-level loss divides by. Advantages that need a whole group (GRPO) are computed on rank 0 before
 the split, so a group may span ranks.
 
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner.batch import Sample
-from learner.distributed import Topology
-from learner.micro_batches import cut_mini_batch
+from learner.train.batch import Sample
+from learner.train.distributed import Topology
+from learner.train.micro_batches import cut_mini_batch
 
 HEADER_BYTES = 7 * 8
 
@@ -135,7 +135,7 @@ def scatter_shares(topo: Topology, shares: list[Share] | None) -> Share:
 def split_rollout_batch(samples: list[Sample], mini_batches: int, dp_size: int, seed: int, version: int, max_staleness: int,
                         token_budget: int = 0, micro_samples: int = 0) -> list[Share]:
     """Shuffle (seeded), cut into `mini_batches` equal mini-batches, deal each over `dp_size` ranks and cut
-    each rank's part into micro-batches (learner/micro_batches.py): of `micro_samples` samples when
+    each rank's part into micro-batches (learner/train/micro_batches.py): of `micro_samples` samples when
     `token_budget` is 0, else packed up to `token_budget` tokens, the same count on every rank.
 
     The batch arithmetic was checked at start (learner/plan.py), so every cut is whole.

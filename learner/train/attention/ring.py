@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from learner.varlen_attention import HALF
+from learner.train.attention.varlen import HALF
 
 try:
     from ring_flash_attn import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from learner.batch import TokenBatch
-from learner.scoring import install_scoring_head, score_tokens
+from learner.train.batch import TokenBatch
+from learner.train.scoring import install_scoring_head, score_tokens
 
 
 class ReferencePolicy:

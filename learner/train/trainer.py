@@ -1,6 +1,6 @@
 """One update per rollout batch, on every learner rank: S = mini_batches x ppo_epochs optimizer steps.
 
-    rank 0: groups -> advantages -> samples -> shares (learner/shard.py) --scatter--> every rank
+    rank 0: groups -> advantages -> samples -> shares (learner/train/shard.py) --scatter--> every rank
     every rank, for each PPO epoch, for each mini-batch (one optimizer step):
         its micro-batches: learner logprobs -> clipped loss -> backward (gradient accumulation)
         DeepSpeed step: gradients averaged over the learner ranks, AdamW, ZeRO sharding
@@ -10,10 +10,10 @@ token-level over the mini-batch's tokens on ALL ranks (`Share.mini_batch_tokens`
 DeepSpeed averages gradients over the world, so each rank's loss is scaled by the world
 size to make the sum come out exactly as on one process.
 
-A mini-batch's micro-batches are cut by rank 0 (learner/micro_batches.py: a sample count or a
+A mini-batch's micro-batches are cut by rank 0 (learner/train/micro_batches.py: a sample count or a
 token budget), so their number varies from update to update: the trainer tells DeepSpeed where
 each optimizer step falls (`set_gradient_accumulation_boundary`) instead of letting it count.
-Logprobs come from the lm_head a chunk of tokens at a time (learner/scoring.py), and the loss
+Logprobs come from the lm_head a chunk of tokens at a time (learner/train/scoring.py), and the loss
 stays on the device; one all-reduce per update brings the metrics home.
 """
 
@@ -28,17 +28,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner import staleness as st
-from learner.advantages import GroupAdvantage, make_advantage
-from learner.batch import TokenBatch, group_samples
-from learner.distributed import Topology
-from learner.layout import attention_implementation, micro_batch_layout
-from learner.losses import make_policy_loss, value_loss
+from learner.hub import staleness as st
 from learner.plan import Plan
-from learner.scoring import install_scoring_head, score_tokens
-from learner.sequence_parallel import SequenceShard
-from learner.shard import Share, split_rollout_batch
-from learner.varlen_attention import disable_cudnn_sdpa
+from learner.train.advantages import GroupAdvantage, make_advantage
+from learner.train.attention.varlen import disable_cudnn_sdpa
+from learner.train.batch import TokenBatch, group_samples
+from learner.train.distributed import Topology
+from learner.train.layout import attention_implementation, micro_batch_layout
+from learner.train.losses import make_policy_loss, value_loss
+from learner.train.scoring import install_scoring_head, score_tokens
+from learner.train.sequence_parallel import SequenceShard
+from learner.train.shard import Share, split_rollout_batch
 from protocol.config import Config, ConfigError, TrainConfig
 from protocol.messages import RolloutGroup
 
@@ -153,7 +153,7 @@ class Trainer:
             config=deepspeed_config(cfg, layout, cfg.train.lr, topo.device.type == "cuda"), mpu=topo.mpu)
         self.critic = self.reference = None
         if self.advantage.needs_critic:
-            from learner.critic import Critic
+            from learner.train.critic import Critic
 
             critic = Critic.from_pretrained(cfg.algo.critic_path or cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
             critic.backbone.set_attn_implementation(self.attention)  # type: ignore[operator]
@@ -163,7 +163,7 @@ class Trainer:
                                                    config=deepspeed_config(cfg, layout, cfg.algo.critic_lr, topo.device.type == "cuda"),
                                                    mpu=topo.mpu)
         if self.policy_loss.needs_reference or cfg.algo.keep_reference:
-            from learner.reference import ReferencePolicy
+            from learner.train.reference import ReferencePolicy
 
             self.reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
             self.reference.model.set_attn_implementation(self.attention)  # type: ignore[operator]
@@ -192,7 +192,7 @@ class Trainer:
         """Collective: rank 0 copies the weights into one flat tensor per bucket (reusing `out`); others join the gathers.
 
         The buffers are on this rank's device, so on GPUs the weight group sends from GPU memory with no trip
-        through the host (learner/weight_sync.py); `host` keeps them in pinned host memory instead (a model whose
+        through the host (learner/weights/sync.py); `host` keeps them in pinned host memory instead (a model whose
         full weights do not fit beside training). ZeRO-3 gathers one bucket at a time: no rank holds more than a
         bucket of full parameters beyond its shard, but rank 0 keeps the whole snapshot until the next sync.
         """

@@ -16,7 +16,7 @@ protocol/abortable.py) and retried without it. A member that never joins an epoc
 weights.timeout_s is evicted from the hub. Nothing waits inside gloo, so neither the learner nor
 the survivors wait for a dead member's timeout (measured in tests/test_weight_death.py).
 
-Where the bytes come from (see learner/weight_buckets.py):
+Where the bytes come from (see learner/weights/buckets.py):
 - ZeRO-3 (parameters sharded over the learner ranks): `sync` is given a `snapshot` that
   gathers each bucket on every rank and copies it out on rank 0 (Trainer.snapshot).
 - ZeRO-0/1/2 (rank 0 holds every parameter), unguarded: `sync` copies every bucket on the
@@ -48,8 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from learner.hub import Hub
-from learner.weight_buckets import Buckets, Staging
+from learner.hub.server import Hub
+from learner.weights.buckets import Buckets, Staging
 from protocol import messages as m
 from protocol import weights as wg
 from protocol.abortable import Abortable, Aborted, Graveyard, abort_key, joined_key

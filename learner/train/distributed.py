@@ -73,7 +73,7 @@ def make_topology(sp_size: int) -> Topology:
         raise ValueError(f"train.sequence_parallel_size: {sp_size} does not divide the {world} learner ranks")
     sp_group = mpu = None
     if sp_size > 1:
-        from learner.sequence_parallel import init_sequence_parallel
+        from learner.train.sequence_parallel import init_sequence_parallel
 
         # DeepSpeed then sums gradients over SP peers and averages over the data-parallel replicas.
         mpu = init_sequence_parallel(sp_size)

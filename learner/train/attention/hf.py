@@ -1,7 +1,7 @@
 """Plug FleetRL's attention into a stock transformers model: "fleetrl_varlen" (packed) and "fleetrl_ring" (SP).
 
 Importing this module registers both names with transformers' AttentionInterface;
-`model.set_attn_implementation(attention_implementation(cfg.train))` (learner/layout.py)
+`model.set_attn_implementation(attention_implementation(cfg.train))` (learner/train/layout.py)
 picks one once at setup. The model is then called with `PackedBatch.model_kwargs()` or
 `SequenceShard.model_kwargs()`: the sample boundaries travel as forward kwargs
 (transformers' own `cu_seq_lens_q`/`max_length_q`, or our `fleetrl_ring` context),
@@ -14,7 +14,7 @@ implementation with no entry in AttentionMaskInterface, and we register none
 (tests/test_packing.py checks it). Without `cu_seq_lens_q`, "fleetrl_varlen" treats
 each row as one causal sequence, which is also exact for the real tokens of a
 right-padded batch (pads only follow them); left padding would be wrong and is
-never produced here. Both branches keep SDPA off cuDNN on CUDA (learner/varlen_attention.py).
+never produced here. Both branches keep SDPA off cuDNN on CUDA (learner/train/attention/varlen.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from learner.ring_attention import ring_attention
-from learner.varlen_attention import dense_causal_attention, varlen_causal_attention
+from learner.train.attention.ring import ring_attention
+from learner.train.attention.varlen import dense_causal_attention, varlen_causal_attention
 
 VARLEN = "fleetrl_varlen"
 RING = "fleetrl_ring"

@@ -2,8 +2,8 @@
 
 The row is the samples back to back: input_ids [1, N], position_ids restarting at 0
 for each sample (so RoPE sees each sample from its own start), and cu_seqlens, the
-sample boundaries that the varlen attention (learner/varlen_attention.py, plugged
-into the model by learner/hf_attention.py) keeps apart. Completion tokens are laid out flat exactly as in learner/batch.py's padded
+sample boundaries that the varlen attention (learner/train/attention/varlen.py, plugged
+into the model by learner/train/attention/hf.py) keeps apart. Completion tokens are laid out flat exactly as in learner/train/batch.py's padded
 MicroBatch (same order, same fields), with score_rows all 0 and score_cols the
 packed position whose logit predicts each token, so `token_logprobs` and the losses
 apply unchanged.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from learner.batch import Sample
+from learner.train.batch import Sample
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,6 +1,6 @@
 """Prompt sets: the built-in addition task, or rows read through Hugging Face `datasets` and rendered.
 
-    data.path --read (learner/data_sources.py), render (learner/data_rows.py)--> rows
+    data.path --read (learner/data/sources.py), render (learner/data/rows.py)--> rows
         --split by data.val_fraction (seeded, by prompt text)--> train | val
     data.test_path --read, render--> test
     each set: tokenize, drop prompts over the budget (actor.max_model_len - rollout.max_tokens), logged
@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from learner.data_rows import Row, check_chat_template, read_rows
+from learner.data.rows import Row, check_chat_template, read_rows
 from protocol.config import Config, ConfigError
 from protocol.logs import get_logger
 

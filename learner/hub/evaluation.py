@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from learner.data import Prompt, PromptSet
+from learner.data.prompts import Prompt, PromptSet
 from protocol import messages as m
 from protocol.config import Config
 from protocol.logs import get_logger
 
 if TYPE_CHECKING:
-    from learner.hub import Hub
+    from learner.hub.server import Hub
 
 
 @dataclass(frozen=True, slots=True)

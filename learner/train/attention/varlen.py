@@ -2,7 +2,7 @@
 
 q [1, H, N, D] and k/v [1, Hkv, N, D] hold the packed samples back to back; cu_seqlens
 [S+1] marks where each starts. Token i sees token j only if j <= i and both belong to
-the same sample. learner/hf_attention.py plugs this into transformers' models.
+the same sample. learner/train/attention/hf.py plugs this into transformers' models.
 
 The kernel is chosen once per (device type, dtype, dropout) by `choose_kernel`:
 - "flash_attn": flash-attn's flash_attn_varlen_func (installed, CUDA, half precision).

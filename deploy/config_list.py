@@ -1,5 +1,8 @@
 """`fleetrl config --list`: every config field with its default and its doc, as a TOML file one can start from.
 
+`python -m deploy.config_list --markdown` renders the same listing as docs/configuration.md, so that page
+cannot drift from the code: tests/test_docs.py fails when the file differs from what this prints.
+
 The docs are the comments in protocol/config.py, read from its source: the comment after a field, or the comment
 lines right above it (a field whose doc takes several lines). The defaults come from the dataclasses themselves,
 so the listing is the config the code runs, and tests/test_cli_commands.py checks every field has a doc.
@@ -7,10 +10,13 @@ so the listing is the config the code runs, and tests/test_cli_commands.py check
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
 import io
+import re
+import sys
 import tokenize
 from dataclasses import dataclass
 from typing import Any, get_type_hints
@@ -97,3 +103,86 @@ def render(prefix: str = "") -> str:
                 out += [f"# {line}" for line in f.doc] + [value]
         out.append("")
     return "\n".join(out)
+
+
+MARKDOWN_COMMAND = "python -m deploy.config_list --markdown > docs/configuration.md"
+
+_MARKDOWN_INTRO = f"""\
+<!-- Generated from protocol/config.py by `{MARKDOWN_COMMAND}`. Do not edit by hand:
+     tests/test_docs.py fails when this file differs from what that command prints. -->
+
+# Configuration
+
+A run has one typed config: a TOML file, plus `section.field=value` overrides on the command line. The
+learner and the actors read the same file. A bad value fails at start with one line that names the field,
+e.g. `fleetrl: config error: train.lr: must be > 0`.
+
+- `fleetrl config --list [PREFIX]` prints every field below as a TOML file to start from (`PREFIX`, e.g.
+  `log` or `train.lr`, keeps the fields whose dotted name starts so).
+- `fleetrl config CONFIG [section.field=value ...]` prints a config resolved: the file, the overrides and
+  the defaults.
+- `fleetrl plan CONFIG` checks the batch arithmetic and the memory per GPU ([recipes.md](recipes.md)).
+- [`configs/demo.toml`](../configs/demo.toml) spells out the demo; `configs/` holds the recipes.
+
+This page is the listing of `protocol/config.py`: the defaults are the dataclasses' own, and each doc is the
+comment beside (or above) the field.
+"""
+
+
+def _md_escape(text: str) -> str:
+    """Text for a table cell or a paragraph: `|` always escaped (GFM splits cells on it even inside code
+    spans); outside code spans `<` (or `</answer>` would vanish as an HTML tag) and `*` (emphasis)."""
+    parts = text.split("`")
+    for i, part in enumerate(parts):
+        if i % 2 == 0:  # outside a code span
+            part = part.replace("<", "&lt;").replace("*", "\\*")
+        parts[i] = part.replace("|", "\\|")
+    return "`".join(parts)
+
+
+def _md_doc(lines: list[str]) -> str:
+    """A field's comment lines as one table cell: a line opening a list item starts a new line (<br>)."""
+    out = ""
+    for line in lines:
+        text = line.strip()
+        if out and re.match(r"[-*] ", text):
+            out += "\0"  # a mark that escaping leaves alone, for the <br> it would escape
+        elif out:
+            out += " "
+        out += text
+    return _md_escape(out).replace("\0", "<br>")
+
+
+def render_markdown() -> str:
+    """The listing as the Markdown page docs/configuration.md: one table per section, in Config's order."""
+    fields = field_docs()
+    classes = dict(sections())
+    names = list(dict.fromkeys(f.section for f in fields))
+    out = [_MARKDOWN_INTRO, "Sections: " + " · ".join(f"[{name}](#{name})" for name in names), ""]
+    for section in names:
+        out += [f"## {section}", ""]
+        doc = inspect.cleandoc(classes[section].__doc__ or "")
+        if doc and not doc.startswith(classes[section].__name__ + "("):
+            out += [_md_escape(" ".join(doc.split())), ""]
+        out += ["| field | default | meaning |", "|---|---|---|"]
+        for f in (f for f in fields if f.section == section):
+            default = _md_escape(f"`{toml_value(f.default)}`")
+            out.append(f"| `{f.section}.{f.name}` | {default} | {_md_doc(f.doc)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.config_list",
+                                     description="every config field with its default and its doc")
+    parser.add_argument("prefix", nargs="?", default="", help="only fields whose dotted name starts so (TOML only)")
+    parser.add_argument("--markdown", action="store_true", help="the page docs/configuration.md instead of TOML")
+    args = parser.parse_args(argv)
+    if args.markdown and args.prefix:
+        parser.error("--markdown renders every field: no PREFIX")
+    sys.stdout.write(render_markdown() if args.markdown else render(args.prefix))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

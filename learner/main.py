@@ -28,7 +28,7 @@ import torch
 
 from learner.checkpoint import WRITE_ERRORS, CheckpointManager, hf_writer, staging_dir
 from learner.data.prompts import load_datasets
-from learner.hub.evaluation import Evaluator
+from learner.evaluator import Evaluator
 from learner.hub.intake import take_update_batch
 from learner.hub.server import Hub
 from learner.metrics import MetricsWriter

@@ -52,8 +52,7 @@ from learner.train.distributed import Topology, init_distributed, make_topology
 from learner.train.shard import Share, scatter_shares
 from learner.train.trainer import StepLayout, Trainer, make_shares
 from learner.wandb_log import WandbLogger
-from learner.weights.sync import WeightSender
-from protocol import weights as wg
+from learner.weights.source import WeightSource
 from protocol.config import Config, ConfigError, dump_toml, parse_cpus
 from protocol.logs import learner_log_file, set_context, setup_logging
 from protocol.net import pin_cpus
@@ -116,18 +115,15 @@ def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
     # checkpoint; it stops when rank 0 says so (its stop share), after joining that checkpoint. torchrun
     # SIGKILLs the ranks 30 s after the SIGTERM in any case.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    buckets = wg.plan_buckets(trainer.full_shapes(), wg.DTYPES[cfg.model.dtype].itemsize, cfg.weights.bucket_mb << 20)
-    sharded = cfg.train.zero_stage == 3  # rank 0's weight snapshot gathers every bucket: join it
-    if sharded:
-        trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)  # rank 0's WeightSender.start
+    weights = WeightSource(cfg, trainer)
+    weights.follow()  # rank 0's WeightSender.start
     updates = 0
     while True:
         share = scatter_shares(topo, None)
         if not share.stop:
             trainer.update(share)
             set_context(policy_version=share.version + trainer.layout.steps)
-            if sharded:
-                trainer.snapshot(buckets, wg.DTYPES[cfg.model.dtype], None)
+            weights.follow()
             updates += 1
         if share.save_step:  # rank 0 writes the same checkpoint now (it decided before the update)
             save_engines(trainer, staging_dir(Path(cfg.run.dir), share.save_step) / STATE_DIR)
@@ -158,16 +154,9 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
         log.info("learner.resumed", checkpoint=str(checkpoint), updates=updates, version=version, ledger=hub.ledger.state_counts(),
                  max_staleness=hub.max_staleness)
     hub.start()  # a port in use raises ConfigError naming hub.bind
-    names = [n for n, _ in trainer.named_parameters()]
-    sharded = cfg.train.zero_stage == 3
-    # ZeRO <= 2: rank 0 holds every parameter, so the broadcast reads them in place and the next optimizer step
-    # waits for it (guard). ZeRO-3: each sync gathers the buckets on every rank into rank 0's snapshot.
-    sender = WeightSender(cfg.weights, names, trainer.full_shapes(), cfg.model.dtype,
-                          params=None if sharded else [p for _, p in trainer.named_parameters()], device=topo.device)
-    if not sharded:
-        sender.guard(trainer.engine.optimizer)
-    host = cfg.weights.snapshot == "host"
-    snapshot = (lambda out: trainer.snapshot(sender.ranges, sender.torch_dtype, out, host)) if sharded else None
+    weights = WeightSource(cfg, trainer)  # in place (ZeRO <= 2) or gathered into a snapshot (ZeRO-3)
+    sender = weights.sender(cfg)
+    snapshot = weights.snapshot
     # Collective under ZeRO-3 (the followers join it at start). A resumed learner's actors come back serving -1
     # and get no work until they serve `version`: it is sent to each as it registers.
     sender.start(version, hub, snapshot)

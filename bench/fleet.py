@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from deploy import procs
 from protocol.config import dump_toml, load_config
 from protocol.net import free_port
 
@@ -41,12 +42,13 @@ class Fleet:
     # ---- processes -------------------------------------------------------------------------------
     def _start(self, name: str, argv: list[str], env: dict[str, str] | None, cpus: str) -> subprocess.Popen:
         full = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), **(env or {})}
-        out = (self.run_dir / f"{name}.out").open("w")
+        log = self.run_dir / f"{name}.out"
+        log.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "deploy.cli", *argv, "--config", str(self.config)]
         if cpus:
             cmd.append(f"{'train' if name == 'learner' else 'actor'}.cpu_affinity={cpus}")
         self.started[name] = time.time()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = procs.spawn(cmd, full, log, cwd=ROOT)
         self.procs[name] = proc
         return proc
 
@@ -59,27 +61,14 @@ class Fleet:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> float:
         """Signal the whole process group (the actor and its engine processes); returns time.time() of the kill."""
         t = time.time()
-        try:
-            os.killpg(self.procs[name].pid, sig)
-        except ProcessLookupError:
-            pass
+        procs.signal_group(self.procs[name], sig)
         return t
 
     def wait_exit(self, name: str, timeout: float) -> int:
         return self.procs[name].wait(timeout=timeout)
 
     def stop_all(self) -> None:
-        for name in self.procs:
-            if self.procs[name].poll() is None:
-                self.kill(name, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for name in self.procs:
-            self.kill(name)
+        procs.stop(self.procs.values())
 
     def output(self, name: str) -> str:
         return (self.run_dir / f"{name}.out").read_text(errors="replace")

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from deploy import procs
+from deploy.procs import GRACE_S
 from protocol.config import Config, dump_toml
 from protocol.logs import get_logger
-
-GRACE_S = 20.0  # how long a child gets to exit after SIGTERM before SIGKILL
 
 
 def connect_address(bind: str) -> str:
@@ -84,21 +84,11 @@ class Supervisor:
         self.log = get_logger()
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        self.procs[name] = subprocess.Popen(argv, env={**os.environ, **(env or {})}, start_new_session=True)
+        self.procs[name] = procs.spawn(argv, env)
         self.log.info("launch.started", process=name, pid=self.procs[name].pid)
 
     def stop_all(self, grace_s: float = GRACE_S) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in self.procs.values():
-            _signal_group(p, signal.SIGKILL)  # also reaps engine processes left in the group
+        procs.stop(self.procs.values(), grace_s)
 
     def wait(self, main: str) -> int:
         """Until `main` exits 0 (then the rest get GRACE_S to follow) or anything fails."""
@@ -115,13 +105,6 @@ class Supervisor:
                     self.stop_all()
                     return 0
             time.sleep(0.5)
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class Stopped(Exception):

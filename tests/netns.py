@@ -20,13 +20,13 @@ import ipaddress
 import os
 import random
 import shutil
-import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from deploy import procs
 
 GRACE_S = 15.0  # SIGTERM -> SIGKILL for processes still running at teardown
 
@@ -64,10 +64,7 @@ class Host:
 
     def spawn(self, cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: str | None = None) -> subprocess.Popen:
         """Start `cmd` in this namespace, in its own process group (so teardown stops its children too)."""
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as out:
-            proc = subprocess.Popen(self.argv(cmd), stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                    cwd=cwd, start_new_session=True)
+        proc = procs.spawn(self.argv(cmd), env, log, cwd)
         self.procs.append(proc)
         return proc
 
@@ -131,32 +128,11 @@ class Network:
         return host
 
     def teardown(self) -> None:
-        procs = [p for h in self.hosts.values() for p in h.procs]
-        for p in procs:
-            _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in procs:
-            _signal_group(p, signal.SIGKILL)  # also engine processes left in the group
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        procs.stop([p for h in self.hosts.values() for p in h.procs], GRACE_S)
         for host in self.hosts.values():
             subprocess.run(["ip", "link", "del", host.link], capture_output=True)  # deletes both ends
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 @pytest.fixture

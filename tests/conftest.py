@@ -82,3 +82,28 @@ def tiny_model_dir(tmp_path_factory):
 
     os.environ.setdefault("FLEETRL_CACHE", str(ROOT / ".cache"))
     return demo_model(load_config())
+
+
+@pytest.fixture
+def start_hub():
+    """`start_hub(*overrides, prompts=None, control_file=None)`: a real Hub, started on a free loopback port
+    (`hub.cfg.hub.bind` is its address) over the addition prompts unless `prompts` is given; every hub a test
+    starts is stopped at its end."""
+    from deploy.tiny import build_tokenizer
+    from learner.data.prompts import PromptSet, addition_items
+    from learner.hub.server import Hub
+    from protocol.config import load_config
+    from protocol.net import free_port
+
+    hubs = []
+
+    def start(*overrides, prompts=None, control_file=None):
+        cfg = load_config(None, [f"hub.bind=tcp://127.0.0.1:{free_port()}", *overrides])
+        hub = Hub(cfg, prompts if prompts is not None else PromptSet(addition_items(), build_tokenizer()), control_file=control_file)
+        hubs.append(hub)
+        hub.start()
+        return hub
+
+    yield start
+    for hub in hubs:
+        hub.stop()

@@ -13,66 +13,53 @@ from structlog.testing import capture_logs
 
 from deploy.cli import main
 from deploy.ctl import request, set_setting
-from deploy.tiny import build_tokenizer
-from learner.data.prompts import PromptSet, addition_items
-from learner.hub.server import Hub
 from protocol import messages as m
-from protocol.config import load_config
 from protocol.net import free_port
 
-
-def _hub(overrides, control_file=None):
-    port = free_port()
-    cfg = load_config(None, [f"hub.bind=tcp://127.0.0.1:{port}", "train.prompts_per_step=4", "rollout.samples_per_prompt=2",
-                             "data.epochs=1000", *overrides])
-    hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()), control_file=control_file)
-    hub.start()
-    return hub, f"tcp://127.0.0.1:{port}"
+COMMON = ("train.prompts_per_step=4", "rollout.samples_per_prompt=2", "data.epochs=1000", "train.mini_batches=2")
 
 
-def test_ctl_sets_max_staleness_and_refuses_bad_values(capsys):
-    hub, addr = _hub(["train.mini_batches=2", "staleness.max_staleness=1"])  # S = 2: k >= 1
-    try:
-        with capture_logs() as logs:
-            assert main(["ctl", "--learner", addr, "set", "max_staleness", "3"]) == 0
-        out = capsys.readouterr().out
-        assert "max_staleness 1 -> 3 at version 0" in out
-        assert hub.max_staleness == 3 and hub.snapshot()["staleness/max_staleness"] == 3.0
-        changed = [e for e in logs if e["event"] == "hub.max_staleness_changed"]
-        assert [(e["old"], e["new"], e["source"]) for e in changed] == [(1, 3, "fleetrl ctl")]
+def test_ctl_sets_max_staleness_and_refuses_bad_values(capsys, start_hub):
+    hub = start_hub(*COMMON, "staleness.max_staleness=1")  # S = 2: k >= 1
+    addr = hub.cfg.hub.bind
+    with capture_logs() as logs:
+        assert main(["ctl", "--learner", addr, "set", "max_staleness", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "max_staleness 1 -> 3 at version 0" in out
+    assert hub.max_staleness == 3 and hub.snapshot()["staleness/max_staleness"] == 3.0
+    changed = [e for e in logs if e["event"] == "hub.max_staleness_changed"]
+    assert [(e["old"], e["new"], e["source"]) for e in changed] == [(1, 3, "fleetrl ctl")]
 
-        # Below S - 1: refused with the numbers, exit 1, k unchanged.
-        assert main(["ctl", "--learner", addr, "set", "max_staleness", "0"]) == 1
-        err = capsys.readouterr().err
-        assert "refused: max_staleness: 0 < 2 optimizer steps per update - 1" in err and "max_staleness stays 3" in err
-        assert main(["ctl", "--learner", addr, "set", "max_staleness", "-5"]) == 1
-        assert hub.max_staleness == 3
+    # Below S - 1: refused with the numbers, exit 1, k unchanged.
+    assert main(["ctl", "--learner", addr, "set", "max_staleness", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "refused: max_staleness: 0 < 2 optimizer steps per update - 1" in err and "max_staleness stays 3" in err
+    assert main(["ctl", "--learner", addr, "set", "max_staleness", "-5"]) == 1
+    assert hub.max_staleness == 3
 
-        # The reply carries the numbers too.
-        reply = set_setting(addr, "max_staleness", 2)
-        assert (reply.ok, reply.previous, reply.value, reply.policy_version) == (True, 3, 2, 0)
+    # The reply carries the numbers too.
+    reply = set_setting(addr, "max_staleness", 2)
+    assert (reply.ok, reply.previous, reply.value, reply.policy_version) == (True, 3, 2, 0)
 
-        # Unknown setting: argparse refuses it; sent raw, the hub's decoder does, and the hub stays up.
-        with pytest.raises(SystemExit) as exit_info:
-            main(["ctl", "--learner", addr, "set", "lr", "1"])
-        assert exit_info.value.code == 2
-        reply = request(addr, m.ControlRequest(command="set", key="lr", value=1))
-        assert isinstance(reply, m.Error) and "ControlRequest.key: 'lr' unknown (known: max_staleness)" in reply.detail
-        reply = request(addr, m.ControlRequest(command="reset", key="max_staleness", value=1))
-        assert isinstance(reply, m.Error) and "ControlRequest.command: 'reset' unknown" in reply.detail
-        assert hub.max_staleness == 2 and hub.snapshot()["hub/protocol_errors"] == 2
-    finally:
-        hub.stop()
+    # Unknown setting: argparse refuses it; sent raw, the hub's decoder does, and the hub stays up.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["ctl", "--learner", addr, "set", "lr", "1"])
+    assert exit_info.value.code == 2
+    reply = request(addr, m.ControlRequest(command="set", key="lr", value=1))
+    assert isinstance(reply, m.Error) and "ControlRequest.key: 'lr' unknown (known: max_staleness)" in reply.detail
+    reply = request(addr, m.ControlRequest(command="reset", key="max_staleness", value=1))
+    assert isinstance(reply, m.Error) and "ControlRequest.command: 'reset' unknown" in reply.detail
+    assert hub.max_staleness == 2 and hub.snapshot()["hub/protocol_errors"] == 2
     # Nobody listening: a clear message, exit 1, no hang.
     t0 = time.monotonic()
     assert main(["ctl", "--learner", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.3", "set", "max_staleness", "2"]) == 1
     assert "no reply from" in capsys.readouterr().err and time.monotonic() - t0 < 3
 
 
-def test_control_file_changes_max_staleness(tmp_path):
+def test_control_file_changes_max_staleness(tmp_path, start_hub):
     path = tmp_path / "control.toml"
     path.write_text("max_staleness = 5\n")  # there before the start: not applied
-    hub, _ = _hub(["train.mini_batches=2", "staleness.max_staleness=1"], control_file=path)
+    hub = start_hub(*COMMON, "staleness.max_staleness=1", control_file=path)
 
     def settles(expect: int) -> int:
         deadline = time.monotonic() + 5
@@ -80,34 +67,32 @@ def test_control_file_changes_max_staleness(tmp_path):
             time.sleep(0.05)
         return hub.max_staleness
 
-    try:
-        time.sleep(1.5)  # at least one poll
-        assert hub.max_staleness == 1
-        with capture_logs() as logs:
-            path.write_text("max_staleness = 4\n")
-            assert settles(4) == 4
-            path.write_text("max_staleness = 0\n")  # < S - 1: refused, logged
-            time.sleep(1.5)
-            path.write_text("max_staleness = [\n")  # not TOML: logged, ignored
-            time.sleep(1.5)
-        assert hub.max_staleness == 4
-        events = [e["event"] for e in logs]
-        assert "hub.control_refused" in events and "hub.control_file_bad" in events
-        source = next(e["source"] for e in logs if e["event"] == "hub.max_staleness_changed")
-        assert source == f"file {path}"
-    finally:
-        hub.stop()
+    time.sleep(1.5)  # at least one poll
+    assert hub.max_staleness == 1
+    with capture_logs() as logs:
+        path.write_text("max_staleness = 4\n")
+        assert settles(4) == 4
+        path.write_text("max_staleness = 0\n")  # < S - 1: refused, logged
+        time.sleep(1.5)
+        path.write_text("max_staleness = [\n")  # not TOML: logged, ignored
+        time.sleep(1.5)
+    assert hub.max_staleness == 4
+    events = [e["event"] for e in logs]
+    assert "hub.control_refused" in events and "hub.control_file_bad" in events
+    source = next(e["source"] for e in logs if e["event"] == "hub.max_staleness_changed")
+    assert source == f"file {path}"
 
 
 @pytest.mark.parametrize(("steps", "k_high", "k_low"), [(1, 3, 0), (2, 3, 1)])
-def test_invariant_holds_across_a_live_lowering(steps, k_high, k_low):
+def test_invariant_holds_across_a_live_lowering(steps, k_high, k_low, start_hub):
     """k goes k_high -> k_low (via `fleetrl ctl`, while an update trains) -> k_high.
 
     After the lowering is acknowledged no batch holds a sample with (u + S - 1) - v > k_low; the
     groups buffered under the old bound are dropped and requeued, counted; raising k admits older ones.
     """
     prompts = 4
-    hub, addr = _hub([f"train.mini_batches={steps}", f"staleness.max_staleness={k_high}", "staleness.lease_s=30"])
+    hub = start_hub(*COMMON, f"train.mini_batches={steps}", f"staleness.max_staleness={k_high}", "staleness.lease_s=30")
+    addr = hub.cfg.hub.bind
     actors = [ScriptedActor(addr, "fast", 2, delay_s=0.02, seed=0).start(),
               ScriptedActor(addr, "slow", 2, delay_s=0.4, seed=1).start()]
     seen: list[tuple[str, int, int]] = []  # (phase, staleness, k the batch was checked with)
@@ -137,7 +122,6 @@ def test_invariant_holds_across_a_live_lowering(steps, k_high, k_low):
                 a.target_version = version
         snap = hub.snapshot()
     finally:
-        hub.stop()
         for a in actors:
             a.stop.set()
     assert buffered_at_lowering > 0, "precondition: groups admitted under k_high were waiting when k was lowered"

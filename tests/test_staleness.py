@@ -9,12 +9,7 @@ older than the bound allows.
 import pytest
 from scripted_actor import ScriptedActor
 
-from deploy.tiny import build_tokenizer
-from learner.data.prompts import PromptSet, addition_items
 from learner.hub import staleness as st
-from learner.hub.server import Hub
-from protocol.config import load_config
-from protocol.net import free_port
 
 
 def test_admission_capacity_rule():
@@ -30,14 +25,10 @@ def test_admission_capacity_rule():
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
-def test_no_sample_beyond_the_bound_is_trained(k):
-    port = free_port()
-    cfg = load_config(None, [
-        f"hub.bind=tcp://127.0.0.1:{port}", f"staleness.max_staleness={k}", "train.prompts_per_step=4",
-        "rollout.samples_per_prompt=2", "staleness.lease_s=0.3", "data.epochs=1000"])
-    hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()))
-    hub.start()
-    addr = f"tcp://127.0.0.1:{port}"
+def test_no_sample_beyond_the_bound_is_trained(k, start_hub):
+    hub = start_hub(f"staleness.max_staleness={k}", "train.prompts_per_step=4", "rollout.samples_per_prompt=2",
+                    "staleness.lease_s=0.3", "data.epochs=1000")
+    addr = hub.cfg.hub.bind
     actors = [
         ScriptedActor(addr, "fast", 2, delay_s=0.02, seed=0).start(),
         ScriptedActor(addr, "slow", 2, delay_s=0.8, seed=1).start(),
@@ -56,7 +47,6 @@ def test_no_sample_beyond_the_bound_is_trained(k):
                 a.target_version = version
         snap = hub.snapshot()
     finally:
-        hub.stop()
         for a in actors:
             a.stop.set()
     assert max(staleness_seen) <= k

@@ -14,12 +14,8 @@ from scripted_actor import ScriptedActor
 
 from deploy.cli import main
 from deploy.status import fetch
-from deploy.tiny import build_tokenizer
-from learner.data.prompts import PromptSet, addition_items
-from learner.hub.server import Hub
 from protocol import messages as m
 from protocol.codec import decode, encode
-from protocol.config import load_config
 from protocol.net import free_port
 
 
@@ -28,13 +24,10 @@ def _row(out: str, actor: str) -> list[str]:
     return [cell.strip() for cell in line.strip("│").split("│")]
 
 
-def test_status_once_shows_the_fleet(capsys):
-    port = free_port()
-    addr = f"tcp://127.0.0.1:{port}"
-    cfg = load_config(None, [f"hub.bind={addr}", "staleness.max_staleness=2", "train.prompts_per_step=4",
-                             "rollout.samples_per_prompt=2", "staleness.lease_s=60", "data.epochs=1000"])
-    hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()))
-    hub.start()
+def test_status_once_shows_the_fleet(capsys, start_hub):
+    hub = start_hub("staleness.max_staleness=2", "train.prompts_per_step=4", "rollout.samples_per_prompt=2",
+                    "staleness.lease_s=60", "data.epochs=1000")
+    addr = hub.cfg.hub.bind
     actors = [ScriptedActor(addr, "fast", 2, delay_s=0.01, seed=0).start(),
               ScriptedActor(addr, "slow", 2, delay_s=0.5, seed=1).start()]
     staleness = Counter()
@@ -90,7 +83,6 @@ def test_status_once_shows_the_fleet(capsys):
             (line,) = [ln for ln in out.splitlines() if ln.startswith(f"│ {s:>9} │")]
             assert line.split("│")[2].strip() == str(count)
     finally:
-        hub.stop()
         for a in actors:
             a.stop.set()
     assert main(["status", "--learner", f"tcp://127.0.0.1:{free_port()}", "--once", "--timeout", "0.3"]) == 1

@@ -5,13 +5,12 @@ learns nothing. So the demo first trains the model to convergence on the correct
 answers with heavy label smoothing (0.45 by default): it learns the whole table
 (the right answer is always the most likely) and the "digits, then <eos>" format,
 but stays unsure, sampling the right sum about a quarter of the time at
-temperature 1 (measured 0.275 with 300 steps). RL must sharpen that policy: the
-rise in the demo's reward is RL's doing, not this step's.
+temperature 1. RL must sharpen that policy: the rise in the demo's reward is
+RL's doing, not this step's.
 
-Tried and rejected (measured, kept here so nobody retries them): noisy labels
-(30-60% correct) never learn the table (<10% after 1,000 steps); stopping clean
-training early (30-50 steps) gives a policy so close to its random init that one
-Adam step at lr 1e-3 drops the reward from 0.26 to 0.06.
+Tried and rejected, so nobody retries them: noisy labels never learn the table;
+stopping clean training early gives a policy so close to its random init that one
+Adam step at the demo's learning rate collapses the reward.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ host memory, crosses the PCIe bus, one bucket at a time (`Staging`).
 
 Copies use numpy on CPU: one memcpy on the calling thread. torch's `copy_` splits the
 work across its OpenMP pool, and on a shared CPU one descheduled worker stalls the
-barrier: 12-99 ms instead of 8 ms for 64 MiB, measured on this machine under load.
+barrier for all of them (docs/benchmarks.md, weight sync).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ class Buckets:
         return flat
 
     def copy(self, i: int) -> torch.Tensor:
-        """Bucket i copied into its reused buffer (fresh memory would page-fault on first touch,
-        which measured as much as the transfer itself on loopback)."""
+        """Bucket i copied into its reused buffer (fresh memory would page-fault on first touch, which
+        costs as much as the transfer itself on loopback)."""
         out = self._copies[i]
         if out is None:
             first = self.params[self.ranges[i][0]]

@@ -14,7 +14,7 @@ connection closed: at once; silent: after hub.actor_timeout_s), which tells this
 attempt it was part of is given up (store key `abort`, so the other members stop waiting too,
 protocol/abortable.py) and retried without it. A member that never joins an epoch within
 weights.timeout_s is evicted from the hub. Nothing waits inside gloo, so neither the learner nor
-the survivors wait for a dead member's timeout (measured in tests/test_weight_death.py).
+the survivors wait for a dead member's timeout (tests/test_weight_death.py).
 
 Where the bytes come from (see learner/weights/buckets.py):
 - ZeRO-3 (parameters sharded over the learner ranks): `sync` is given a `snapshot` that

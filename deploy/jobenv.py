@@ -30,6 +30,7 @@ def job_env(cfg: Config) -> dict[str, str]:
         "FLEETRL_GPUS_PER_ACTOR": str(c.tensor_parallel_size),
         "FLEETRL_RUN_DIR": cfg.run.dir,
         "FLEETRL_HUB_PORT": port,
+        "FLEETRL_CURVE_KEYS": "given" if cfg.auth.server_secret else "",  # else the job makes them (fleet.sbatch)
     }
 
 

@@ -162,3 +162,38 @@ def test_learner_sh_on_one_node_runs_fleetrl_learner(config, tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "deploy/learner.sh"), str(config)], capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "NNODES": "2", "FLEETRL_DRY_RUN": "1", "MASTER_ADDR": "x"})
     assert proc.returncode != 0 and "set NODE_RANK" in proc.stderr
+
+
+def test_hetjob_makes_curve_keys_when_the_config_names_none(tmp_path):
+    """A hub on a cluster address needs CURVE: with no keys in the config, the job writes a set into the run
+    directory (shared by every node) and hands it to the learner and the actors; the resolved config keeps it."""
+    config = tmp_path / "run.toml"
+    config.write_text(dump_toml(load_config(None, [f"run.dir={tmp_path / 'run'}", *CLUSTER])))  # loopback, no keys
+    slurm = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2", "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3",
+             "FLEETRL_LEARNER_ADDR": "10.1.2.3"}
+    learner, actors = render(ROOT / "deploy/slurm/fleet.sbatch", [str(config)], slurm, tmp_path)
+    keys = tmp_path / "run" / "keys"
+    overrides = [f"auth.server_secret={keys / 'server.key_secret'}", f"auth.authorized={keys / 'authorized'}",
+                 f"auth.server_key={keys / 'server.key'}", f"auth.client_key={keys / 'clients' / 'actors.key_secret'}"]
+    _, learner_cmd = env_prefix(options(learner)[1])
+    assert learner_cmd[-4:] == overrides and actors[-4:] == overrides
+    cfg = load_config(config, learner_cmd[3:])  # a cluster address with CURVE: valid, and the key files exist
+    assert cfg.hub.bind == "tcp://10.1.2.3:6000" and auth.server_keys(cfg) is not None and auth.client_keys(cfg, cfg.hub.bind) is not None
+    # A second submission keeps the keys (running actors of add_actors.sbatch hold them).
+    before = (keys / "server.key_secret").read_bytes()
+    render(ROOT / "deploy/slurm/fleet.sbatch", [str(config)], slurm, tmp_path)
+    assert (keys / "server.key_secret").read_bytes() == before
+
+
+def test_hetjob_dry_run_checks_the_config_with_the_jobs_overrides(tmp_path):
+    """auth.curve = off is fine on loopback, and refused once the job binds the hub to the node's address: the dry
+    run says so, before any node would start and fail."""
+    config = tmp_path / "run.toml"
+    config.write_text(dump_toml(load_config(None, [f"run.dir={tmp_path / 'run'}", *CLUSTER, "auth.curve=off"])))
+    slurm = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2", "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3",
+             "FLEETRL_LEARNER_ADDR": "10.1.2.3", "FLEETRL_DRY_RUN": "1", "FLEETRL_PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "deploy/slurm/fleet.sbatch"), str(config)], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, **slurm})
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("fleetrl: config error: auth.curve") and "10.1.2.3" in line

@@ -10,8 +10,7 @@ ARGS ?=
 
 .PHONY: demo test test-fast lint bench clean
 
-# setup.py and the .pyx: a changed protocol/_fastcodec.pyx is compiled again by the editable install.
-$(STAMP): pyproject.toml setup.py protocol/_fastcodec.pyx
+$(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_EXTRA) torch==2.13.0
 	$(PY) -m pip install -q $(PIP_EXTRA) -e '.[cpu,dev]'
@@ -50,4 +49,4 @@ bench: $(STAMP)
 	$(PY) -m bench.actor_scaling
 
 clean:
-	rm -rf $(VENV) .cache runs build protocol/_fastcodec.c protocol/_fastcodec.*.so
+	rm -rf $(VENV) .cache runs build

@@ -1,5 +1,6 @@
 """Codec: round trips for every message type, and a decoder that only ever raises ProtocolError."""
 
+import gc
 import re
 
 import msgpack
@@ -47,12 +48,13 @@ def test_round_trip(msg):
 def test_arrays_travel_as_raw_frames_not_lists():
     g = rollout_group(n=4)
     frames = encode(g)
-    version, name, dtypes, values = msgpack.unpackb(frames[0])
-    assert (version, name) == (m.PROTOCOL_VERSION, "RolloutGroup")
-    assert dtypes == "int32 int32 int32 float32 float32 float32"
+    header = msgpack.unpackb(frames[0])
+    assert (header["v"], header["t"]) == (m.PROTOCOL_VERSION, "RolloutGroup")
     total = int(g.lengths.sum())
-    assert values[-6:] == [4, 4, total, total, 4, 0]  # the arrays' dims only: no array data in the header
-    assert not any(isinstance(v, list) and len(v) == total for v in values)
+    assert header["a"] == [["prompt_tokens", "int32", [4]], ["lengths", "int32", [4]], ["completion_tokens", "int32", [total]],
+                           ["behaviour_logprobs", "float32", [total]], ["rewards", "float32", [4]], ["reward_parts", "float32", [0]]]
+    assert header["f"]["actor_id"] == "a0" and header["f"]["finish_reasons"] == ["stop"] * 4
+    assert not set(header["f"]) & set(m.RolloutGroup.ARRAYS)  # no array data in the header
     assert len(frames) == 1 + len(m.RolloutGroup.ARRAYS)
     assert [f.nbytes for f in frames[1:]] == [g.prompt_tokens.nbytes, 16, g.completion_tokens.nbytes, g.behaviour_logprobs.nbytes, 16, 0]
     out = decode([bytes(f) for f in frames])
@@ -76,6 +78,66 @@ def test_round_trip_through_zmq_frames():
         ctx.term()
 
 
+def _base_chain(arr):
+    base = arr.base
+    while isinstance(base, memoryview | np.ndarray):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    return base
+
+
+def test_frames_received_over_tcp_decode_in_place_and_the_arrays_keep_them_alive():
+    g = rollout_group(n=5)
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    port = b.bind_to_random_port("tcp://127.0.0.1")
+    a.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        a.send_multipart(encode(g), copy=False)
+        frames = b.recv_multipart(copy=False)
+        out = decode(frames)
+        for name, frame in zip(m.RolloutGroup.ARRAYS, frames[1:], strict=True):  # views that hold their frame
+            assert _base_chain(getattr(out, name)) is frame, name
+        del frames, frame
+        gc.collect()
+        _equal(out, g)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
+def test_arrays_at_any_alignment():
+    """TCP frames start at any offset in libzmq's receive buffer: unaligned frames decode and are checked alike."""
+
+    def shifted(msg, offset):  # zmq.Frames over the frames' bytes starting `offset` bytes into an aligned buffer
+        frames = [bytes(f) for f in encode(msg)]
+        return [frames[0], *[zmq.Frame(memoryview(bytes(offset) + f)[offset:], copy=False) for f in frames[1:]]]
+
+    for offset in range(4):
+        g = rollout_group(n=6)
+        out = decode(shifted(g, offset))
+        assert out.behaviour_logprobs.ctypes.data % 4 == offset % 4 or offset == 0
+        _equal(out, g)
+        g.behaviour_logprobs[-1] = np.nan
+        with pytest.raises(m.ProtocolError, match="non-finite"):
+            decode(shifted(g, offset))
+        g = rollout_group(n=6)
+        g.lengths[-1] = -1
+        with pytest.raises(m.ProtocolError, match="negative length"):
+            decode(shifted(g, offset))
+
+
+def test_encode_makes_arrays_contiguous_and_refuses_wrong_ones():
+    g = rollout_group(n=4)
+    g.completion_tokens = np.arange(2 * len(g.completion_tokens), dtype=np.int32)[::2]  # a strided view: copied once
+    assert decode(encode(g)).completion_tokens.tolist() == g.completion_tokens.tolist()
+    for wrong in (np.zeros(3, np.int64), np.zeros((3, 1), np.int32), np.zeros(3, ">i4"), [1, 2, 3]):
+        g = rollout_group()
+        g.prompt_tokens = wrong
+        with pytest.raises(AssertionError, match="prompt_tokens"):  # our own code's invariant
+            encode(g)
+
+
 def _header(frames):
     return msgpack.unpackb(frames[0])
 
@@ -84,37 +146,51 @@ def _with_header(frames, header):
     return [msgpack.packb(header), *[bytes(f) for f in frames[1:]]]
 
 
-# header = [version, type, dtypes, values]; RolloutGroup's values: actor_id, prompt_id, epoch, finish_reasons,
-# version_min, version_max, gen_s, reward_s, reward_part_names, reward_errors (0-9), then the dims of prompt_tokens,
-# lengths, completion_tokens, behaviour_logprobs, rewards, reward_parts (10-15)
+def _set_array(i, part, value):
+    def mutate(h):
+        h["a"][i][part] = value
+    return mutate
+
+
+# header = {"v": version, "t": type, "f": {field: value}, "a": [[name, dtype, shape], ...]}; RolloutGroup's arrays:
+# prompt_tokens, lengths, completion_tokens, behaviour_logprobs, rewards, reward_parts (0-5)
 @pytest.mark.parametrize(
     "mutate, needle",
     [
-        (lambda h: h.__setitem__(0, 99), f"protocol version 99, this side speaks {m.PROTOCOL_VERSION}"),
-        (lambda h: h.__setitem__(0, "2"), f"protocol version '2', this side speaks {m.PROTOCOL_VERSION}"),
-        (lambda h: h.__setitem__(1, "Nope"), "unknown message type 'Nope'"),
-        (lambda h: h.__setitem__(1, ["RolloutGroup"]), "unknown message type ['RolloutGroup']"),
-        (lambda h: h.append(0), "header: expected [version, type, dtypes, values], got list"),
-        (lambda h: h.__setitem__(3, h[3][:7]), "RolloutGroup.reward_s: missing field"),
-        (lambda h: h.__setitem__(3, h[3][:1]), "RolloutGroup.prompt_id: missing field"),
-        (lambda h: h[3].append(1), "RolloutGroup: 1 unknown value(s) after the last field and array dims"),
-        (lambda h: h.__setitem__(3, {"actor_id": "a0"}), "RolloutGroup: header values must be an array, got dict"),
-        (lambda h: h[3].__setitem__(1, "seven"), "RolloutGroup.prompt_id: expected int, got str"),
-        (lambda h: h[3].__setitem__(1, True), "RolloutGroup.prompt_id: expected int, got bool"),
-        (lambda h: h[3].__setitem__(0, b"a0"), "RolloutGroup.actor_id: expected str, got bytes"),
-        (lambda h: h[3].__setitem__(6, "1.0"), "RolloutGroup.gen_s: expected float, got str"),
-        (lambda h: h[3].__setitem__(3, "stop"), "RolloutGroup.finish_reasons: expected list[str], got str"),
-        (lambda h: h[3].__setitem__(3, ["stop", 1, "stop"]), "RolloutGroup.finish_reasons: expected list[str], got a list"),
-        (lambda h: h.__setitem__(2, "float64 int32 int32 float32 float32 float32"), "RolloutGroup.prompt_tokens: dtype 'float64', expected int32"),
-        (lambda h: h.__setitem__(2, "int32 int32 int32 float32 float64 float32"), "RolloutGroup.rewards: dtype 'float64', expected float32"),
-        (lambda h: h.__setitem__(2, "int32 int32 int32 float32"), "RolloutGroup: array dtypes"),
-        (lambda h: h.__setitem__(2, ["int32"] * 3 + ["float32"] * 2), "RolloutGroup: array dtypes"),
-        (lambda h: h[3].__setitem__(10, 99), "RolloutGroup.prompt_tokens: shape [99] needs 396 bytes, frame has 16"),
-        (lambda h: h[3].__setitem__(11, -1), "RolloutGroup.lengths: shape [-1], expected 1 non-negative int dims"),
-        (lambda h: h[3].__setitem__(11, 3.0), "RolloutGroup.lengths: shape [3.0], expected 1 non-negative int dims"),  # == 3, wrong type
-        (lambda h: h[3].__setitem__(11, True), "RolloutGroup.lengths: shape [True]"),
-        (lambda h: h[3].pop(), "RolloutGroup.reward_parts: shape [], expected 1"),
-        (lambda h: h[3].__setitem__(14, [3]), "RolloutGroup.rewards: shape [[3]]"),
+        (lambda h: h.__setitem__("v", 99), f"protocol version 99, this side speaks {m.PROTOCOL_VERSION}"),
+        (lambda h: h.__setitem__("v", "2"), f"protocol version '2', this side speaks {m.PROTOCOL_VERSION}"),
+        (lambda h: h.__setitem__("v", True), f"protocol version True, this side speaks {m.PROTOCOL_VERSION}"),
+        (lambda h: h.pop("v"), "header: expected a map of v, t, f, a"),
+        (lambda h: h.__setitem__("t", "Nope"), "unknown message type 'Nope'"),
+        (lambda h: h.__setitem__("t", ["RolloutGroup"]), "unknown message type ['RolloutGroup']"),
+        (lambda h: h.__setitem__("x", 0), "header: expected a map of v, t, f, a"),
+        (lambda h: h.pop("a"), "header: expected a map of v, t, f, a"),
+        (lambda h: h["f"].pop("reward_s"), "RolloutGroup.reward_s: missing field"),
+        (lambda h: h["f"].pop("reward_errors"), "RolloutGroup.reward_errors: missing field"),  # defaults are sent too
+        (lambda h: h["f"].__setitem__("colour", 1), "RolloutGroup: unknown field(s) ['colour']"),
+        (lambda h: h["f"].__setitem__("lengths", [1, 2]), "RolloutGroup: unknown field(s) ['lengths']"),  # an array, not a field
+        (lambda h: h.__setitem__("f", [1, 2]), "RolloutGroup: header.f must be a map of field values, got list"),
+        (lambda h: h["f"].__setitem__("prompt_id", "seven"), "RolloutGroup.prompt_id: expected int, got str"),
+        (lambda h: h["f"].__setitem__("prompt_id", True), "RolloutGroup.prompt_id: expected int, got bool"),
+        (lambda h: h["f"].__setitem__("prompt_id", 7.0), "RolloutGroup.prompt_id: expected int, got float"),
+        (lambda h: h["f"].__setitem__("actor_id", b"a0"), "RolloutGroup.actor_id: expected str, got bytes"),
+        (lambda h: h["f"].__setitem__("gen_s", "1.0"), "RolloutGroup.gen_s: expected float, got str"),
+        (lambda h: h["f"].__setitem__("finish_reasons", "stop"), "RolloutGroup.finish_reasons: expected list[str], got str"),
+        (lambda h: h["f"].__setitem__("finish_reasons", ["stop", 1, "stop"]), "RolloutGroup.finish_reasons: expected list[str], got a list"),
+        (lambda h: h.__setitem__("a", h["a"][:5]), "RolloutGroup: header.a must list its 6 arrays"),
+        (lambda h: h.__setitem__("a", {}), "RolloutGroup: header.a must list its 6 arrays"),
+        (lambda h: h["a"].__setitem__(0, ["prompt_tokens", "int32"]), "RolloutGroup.prompt_tokens: array entry"),
+        (lambda h: h["a"].reverse(), "RolloutGroup: array frame 'reward_parts' where 'prompt_tokens' belongs"),
+        (_set_array(0, 1, "float64"), "RolloutGroup.prompt_tokens: dtype 'float64', expected int32"),
+        (_set_array(4, 1, "float64"), "RolloutGroup.rewards: dtype 'float64', expected float32"),
+        (_set_array(4, 1, ["float32"]), "RolloutGroup.rewards: dtype ['float32'], expected float32"),
+        (_set_array(0, 2, [99]), "RolloutGroup.prompt_tokens: shape [99] needs 396 bytes, frame has 16"),
+        (_set_array(1, 2, [-1]), "RolloutGroup.lengths: shape [-1], expected 1 non-negative int dims"),
+        (_set_array(1, 2, [3.0]), "RolloutGroup.lengths: shape [3.0], expected 1 non-negative int dims"),  # == 3, wrong type
+        (_set_array(1, 2, [True]), "RolloutGroup.lengths: shape [True]"),
+        (_set_array(5, 2, []), "RolloutGroup.reward_parts: shape [], expected 1"),
+        (_set_array(4, 2, [[3]]), "RolloutGroup.rewards: shape [[3]]"),
+        (_set_array(4, 2, 3), "RolloutGroup.rewards: shape 3"),
     ],
 )
 def test_bad_headers_are_named(mutate, needle):
@@ -125,19 +201,32 @@ def test_bad_headers_are_named(mutate, needle):
         decode(_with_header(frames, header))
 
 
-def test_protocol_1_header_names_the_version():
-    """A peer still on the map layout (protocol 1) gets told the version mismatch, not a parse error."""
-    header = {"v": 1, "t": "Register", "f": {"actor_id": "a", "host": "h", "pid": 1, "served_version": 0}, "a": []}
-    with pytest.raises(m.ProtocolError, match=f"protocol version 1, this side speaks {m.PROTOCOL_VERSION}"):
+@pytest.mark.parametrize("header", [
+    {"v": 1, "t": "Register", "f": {"actor_id": "a", "host": "h", "pid": 1, "served_version": 0}, "a": []},  # protocol 1: a map
+    [5, "Register", "", ["a", "h", 1, 0, [""]]],  # protocols 2-5: [version, type, dtypes, values]
+])
+def test_older_protocols_are_told_the_version(header):
+    """A peer on an older protocol gets told the version mismatch, not a parse error."""
+    version = header["v"] if isinstance(header, dict) else header[0]
+    with pytest.raises(m.ProtocolError, match=f"protocol version {version}, this side speaks {m.PROTOCOL_VERSION}"):
         decode([msgpack.packb(header)])
 
 
 def test_int_for_float_field_is_accepted_as_float():
     frames = encode(rollout_group())
     header = _header(frames)
-    header[3][6] = 3  # gen_s, as another encoder may send a whole number
+    header["f"]["gen_s"] = 3  # as another encoder may send a whole number
     out = decode(_with_header(frames, header))
     assert type(out.gen_s) is float and out.gen_s == 3.0
+
+
+def test_errors_quote_the_peer_briefly():
+    frames = encode(rollout_group())
+    header = _header(frames)
+    header["t"] = "X" * 50_000
+    with pytest.raises(m.ProtocolError) as e:
+        decode(_with_header(frames, header))
+    assert len(str(e.value)) < 200
 
 
 def test_truncated_oversized_and_inconsistent():
@@ -229,7 +318,8 @@ _ANY = hs.recursive(
 @settings(max_examples=200, deadline=None)
 @given(_ANY)
 def test_fuzz_structured_headers_only_raise_protocol_error(obj):
-    for header in ([m.PROTOCOL_VERSION, "RolloutGroup", obj, obj], {"v": 1, "t": "RolloutGroup", "f": obj, "a": obj}, obj):
+    for header in ({"v": m.PROTOCOL_VERSION, "t": "RolloutGroup", "f": obj, "a": obj}, {"v": 1, "t": "RolloutGroup", "f": obj, "a": obj},
+                   [m.PROTOCOL_VERSION, "RolloutGroup", obj, obj], obj):
         try:
             decode([msgpack.packb(header, use_bin_type=True)])
         except m.ProtocolError:
@@ -237,7 +327,7 @@ def test_fuzz_structured_headers_only_raise_protocol_error(obj):
 
 
 @settings(max_examples=300, deadline=None)
-@given(hs.integers(0, 3), _ANY)
+@given(hs.sampled_from(["v", "t", "f", "a"]), _ANY)
 def test_fuzz_one_header_part_with_real_frames_only_raises_protocol_error(part, obj):
     """Each header part replaced by arbitrary MessagePack while the array frames stay valid: reaches the array checks."""
     frames = encode(rollout_group())
@@ -250,12 +340,16 @@ def test_fuzz_one_header_part_with_real_frames_only_raises_protocol_error(part, 
 
 
 @settings(max_examples=300, deadline=None)
-@given(hs.integers(0, 12), _ANY)
+@given(hs.integers(0, 15), _ANY | hs.integers(-5, 40))
 def test_fuzz_one_value_with_real_frames_only_raises_protocol_error(index, obj):
-    """One field value or array dim replaced by arbitrary MessagePack: reaches the dims and group checks."""
+    """One field value or array shape replaced by arbitrary MessagePack: reaches the shape and group checks."""
     frames = encode(rollout_group())
     header = _header(frames)
-    header[3][index] = obj
+    fields = sorted(header["f"])
+    if index < len(fields):
+        header["f"][fields[index]] = obj
+    else:
+        header["a"][(index - len(fields)) % 6][2] = obj
     try:
         decode(_with_header(frames, header))
     except m.ProtocolError:

@@ -1,11 +1,11 @@
 """Fuzzing the decoder: whatever frames arrive, `decode` returns a valid message or raises ProtocolError.
 
-Written against the public API only (encode, decode, MESSAGE_TYPES, ProtocolError), so it holds whatever the
-header layout is (a map today, perhaps a positional array tomorrow). Inputs: random frames; every valid
-message of every type, mutated (truncated, bit-flipped, bytes overwritten or inserted, frames dropped,
-repeated, reordered, added or emptied); and header structures rewritten node by node after a generic
-MessagePack round trip. Anything the decoder accepts must also be a message that encodes and decodes back
-to itself: acceptance means valid, not merely "did not crash".
+Written against the public API only (encode, decode, MESSAGE_TYPES, ProtocolError), so it holds whatever
+the header layout is (a map of named fields today, a positional array in protocols 2-5). Inputs: random
+frames; every valid message of every type, mutated (truncated, bit-flipped, bytes overwritten or inserted,
+frames dropped, repeated, reordered, added or emptied); and header structures rewritten node by node after a
+generic MessagePack round trip. Anything the decoder accepts must also be a message that encodes and decodes
+back to itself: acceptance means valid, not merely "did not crash".
 """
 
 import dataclasses
@@ -127,10 +127,10 @@ def test_every_truncation_and_bit_flip_of_every_header():
                 flipped[i] ^= 1 << bit
                 tried += 1
                 accepted += check([bytes(flipped), *rest])
-    assert tried == sum(9 * len(f[0]) for f in VALID) > 4_000  # every cut and every bit of every header (protocol 2 headers are compact)
-    # Most mutations are caught. Protocol 2's header is mostly field values, and a flipped bit in a value often
-    # gives another valid value (32% here); those accepted are still proven valid and re-encodable above.
-    assert accepted < tried // 2
+    assert tried == sum(9 * len(f[0]) for f in VALID) > 4_000  # every cut and every bit of every header
+    # Most mutations are caught. A flipped bit in a field value often gives another valid value (about a tenth
+    # of the mutations here); those accepted are still proven valid and re-encodable above.
+    assert accepted < tried // 4
 
 
 def test_every_reordering_drop_and_repeat_of_frames():

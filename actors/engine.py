@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -108,6 +109,8 @@ class Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # The engine core dies with the thread that starts it (actors/lifeline.py): only the main one lasts as long as the actor.
+        assert threading.current_thread() is threading.main_thread(), "start the engine from the main thread"
         on_cuda = cfg.actor.on_cuda()
         engine_env(cfg, on_cuda)
         self.cfg = cfg
@@ -199,9 +202,19 @@ class Engine:
         result["paused_s"] = time.perf_counter() - t0
         return result
 
-    def shutdown(self) -> None:
-        self.llm.shutdown()
-        del self.llm  # else AsyncLLM.__del__ shuts down again during interpreter exit and prints a TypeError
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """SIGTERM to the engine core; vLLM SIGKILLs its process tree if it has not exited `timeout_s` (None: vLLM's
+        default) later."""
+        self.llm.shutdown(timeout=timeout_s)
+        # AsyncLLM.__del__ calls shutdown() again. Whenever something still holds the engine at interpreter exit
+        # (a traceback in a reference cycle, a task the loop never finished), that call runs after the module globals
+        # it uses are cleared and prints "TypeError: 'NoneType' object is not callable". There is nothing left to do.
+        self.llm.shutdown = _already_shut_down  # type: ignore[method-assign]
+        del self.llm
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    pass
 
 
 def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:

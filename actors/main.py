@@ -8,7 +8,10 @@
     sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
                     (a failed sync is logged and survived: the learner forms a new group epoch and sends again)
     heartbeat task: Heartbeat every hub.heartbeat_s; re-registers when the hub stops answering
-    watch task:     the learner's connection closing (it died or restarted) -> learner lost
+    watch task:     the learner's connection closing (it died or restarted) -> learner lost; a failed CURVE
+                    handshake -> its likely cause, logged (a refused client key is final: exit 1)
+    SIGTERM/SIGINT: cancel the tasks (or the start-up), close, stop the engine, exit 0; if that has not happened
+                    within STOP_GRACE_S, SIGKILL every descendant and exit 128 + signal (actors/lifeline.py)
 
 Learner lost (its connection closed, or it answers unknown_actor): the actor keeps its engine
 and waits (actor.waiting_for_learner, registering again with backoff). Work granted before is
@@ -39,6 +42,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from actors import lifeline
 from actors.engine import Completion, Sampling
 from actors.rewards import GroupScores, RewardContext, assemble, load_reward, parse_metadata
 from actors.rewards.pool import RewardPool
@@ -49,8 +53,15 @@ from protocol.logs import Throttle, set_context, setup_logging
 from protocol.net import pin_cpus
 from protocol.progress import phase
 
-# What the actor hears from its connection's monitor: a closed connection, a refused key.
-CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+# What the actor hears from its connection's monitor: a closed connection, a failed or completed CURVE handshake.
+CONNECTION_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+# SIGTERM/SIGINT to exit, at most: the clean stop, else SIGKILL to everything the actor started (actors/lifeline.py).
+# Above ENGINE_STOP_S plus the rest of a clean stop (closing the reward workers and the socket).
+STOP_GRACE_S = 8.0
+# SIGTERM to vLLM's engine core to SIGKILL of its process tree. It is done with the engine well within this; the
+# rest is its interpreter's teardown, and the memory it holds (a GPU's included) is freed when it dies either way.
+ENGINE_STOP_S = 3.0
 
 
 class Actor:
@@ -75,8 +86,11 @@ class Actor:
         self.devices: list[str] = []  # each engine worker's device identity: its weight-group ranks (set at start)
         self.registered = asyncio.Event()
         self.stop = asyncio.Event()
+        self.stop_signal: int | None = None  # the SIGTERM or SIGINT that asked for the stop
+        self.handshake_error: str | None = None  # why the last CURVE handshake with the learner failed (auth.handshake_failure)
         self.exit_code = 0
         self.tasks: set[asyncio.Task] = set()
+        self.sock: zmq.asyncio.Socket | None = None  # the connection to the hub, made once the engine is up
         log_file = Path(cfg.run.dir) / "logs" / f"actor-{self.actor_id}.jsonl"
         self.log = setup_logging("actor", log_file, actor_id=self.actor_id, policy_version=0)
 
@@ -84,10 +98,37 @@ class Actor:
         from actors.engine import Engine
 
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
-        with phase(self.log, "actor.engine_start", model=self.cfg.model.path):  # blocks the loop; the ticker is a thread
-            self.engine = Engine(self.cfg)
+        lifeline.stop_on_signals(lambda signum: self._stop_requested(loop, signum), STOP_GRACE_S, self._stop_overdue)
+        try:
+            with phase(self.log, "actor.engine_start", model=self.cfg.model.path):  # blocks the loop; the ticker is a thread
+                self.engine = Engine(self.cfg)
+        except Exception:
+            if self.stop_signal is None:
+                raise
+            # The stop signal reached the engine core too (a launcher signals the whole process group): not a failure.
+            self.log.info("actor.stopped", exit_code=self.exit_code, during="engine start")
+            return self.exit_code
+        ctx = zmq.asyncio.Context()
+        try:
+            if await self._unless_stopped(self._start(ctx)):
+                self._spawn(self._receive())
+                self._spawn(self._heartbeat())
+                self._spawn(self._watch_connection())
+                await self.stop.wait()
+        finally:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            if self.sock is not None:
+                self.sock.close(linger=0)
+            ctx.term()
+            if self.rewards is not None:
+                await self.rewards.close()
+            self.engine.shutdown(ENGINE_STOP_S)
+            self.log.info("actor.stopped", exit_code=self.exit_code)
+        return self.exit_code
+
+    async def _start(self, ctx: zmq.asyncio.Context) -> None:
         with phase(self.log, "actor.engine_warmup"):
             await self.engine.warm_up()
         self.devices = await self.engine.devices()
@@ -99,25 +140,37 @@ class Actor:
                                   on_replace=lambda why: self.log.warning("actor.reward_worker_replaced", reward=r.reward_fn, why=why))
         with phase(self.log, "actor.reward_workers_start", workers=r.reward_workers):
             await self.rewards.start()
-        ctx = zmq.asyncio.Context()
         self.sock = transport.client_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self.keys,
                                             events=CONNECTION_EVENTS)
-        try:
-            self._spawn(self._receive())
-            self._spawn(self._heartbeat())
-            self._spawn(self._watch_connection())
-            await self.stop.wait()
-        finally:
-            for task in self.tasks:
-                task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-            self.sock.close(linger=0)
-            ctx.term()
-            if self.rewards is not None:
-                await self.rewards.close()
-            self.engine.shutdown()
-            self.log.info("actor.stopped", exit_code=self.exit_code)
-        return self.exit_code
+
+    async def _unless_stopped(self, coro) -> bool:
+        """Run a start-up step unless the stop comes first (then cancel it): whether it ran. A step can wait forever on
+        an engine core that died (the stop signal reaches it too when it is sent to the actor's process group)."""
+        step, stopped = asyncio.ensure_future(coro), asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait({step, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)  # it cleans up (a reward worker half started)
+            return False
+        if step.exception() is not None and self.stop_signal is not None:
+            self.log.info("actor.start_cut_short", error=repr(step.exception()))  # the engine core got the signal first
+            return False
+        step.result()  # its error, if it failed
+        return True
+
+    def _stop_requested(self, loop: asyncio.AbstractEventLoop, signum: int) -> None:
+        """In the signal handler (actors/lifeline.py): record, and wake the loop (busy starting the engine, it sees it later)."""
+        self.stop_signal = signum
+        loop.call_soon_threadsafe(self._stop_by_signal, signum)
+
+    def _stop_by_signal(self, signum: int) -> None:
+        self.log.info("actor.stop_requested", signal=signal.Signals(signum).name, grace_s=STOP_GRACE_S)
+        self.stop.set()
+
+    def _stop_overdue(self, signum: int, killed: int) -> None:
+        """From the deadline thread, just before the actor exits 128 + signum."""
+        self.log.error("actor.stop_overdue", signal=signal.Signals(signum).name, grace_s=STOP_GRACE_S, killed_processes=killed)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -153,16 +206,28 @@ class Actor:
         """The connection's events, from its one monitor (libzmq allows one per socket):
         - closed: the first sign of a dead learner (a restarted one would answer unknown_actor);
         - key refused: final (libzmq does not retry a refused handshake), so say so and exit non-zero
-          instead of waiting forever."""
+          instead of waiting forever;
+        - handshake dropped (another server key, most likely): libzmq retries it on every reconnect, so the
+          actor says why once here, and again in every actor.waiting_for_learner line until one succeeds."""
+        assert self.sock is not None
         async with aclosing(transport.socket_events(self.sock, CONNECTION_EVENTS)) as events:
             async for event in events:
-                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    self.log.error("actor.key_refused", learner=self.learner, status=int(event["value"]), key=self.cfg.auth.client_key,
+                kind, value = event["event"], int(event["value"])
+                if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.handshake_error = None
+                    continue
+                cause = auth.handshake_failure(kind, value)
+                if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self.log.error("actor.key_refused", learner=self.learner, status=value, key=self.cfg.auth.client_key, cause=cause,
                                    hint="add its public key to the learner's auth.authorized folder (fleetrl keys), then restart this actor")
                     self.exit_code = 1
                     self.stop.set()
                     return
-                if self.registered.is_set():
+                if cause is not None:
+                    if cause != self.handshake_error:
+                        self.log.error("actor.handshake_failed", learner=self.learner, server_key=self.cfg.auth.server_key, cause=cause)
+                    self.handshake_error = cause
+                elif kind == zmq.EVENT_DISCONNECTED and self.registered.is_set():
                     self._lost_learner("connection closed")
 
     def _task_done(self, task: asyncio.Task) -> None:
@@ -174,6 +239,7 @@ class Actor:
             self.stop.set()
 
     async def _send(self, msg: m.Message) -> None:
+        assert self.sock is not None
         await transport.send(self.sock, msg)
 
     async def _register(self) -> None:
@@ -194,9 +260,10 @@ class Actor:
             try:
                 await asyncio.wait_for(self.registered.wait(), timeout=backoff)
             except TimeoutError:
-                # With CURVE a refused key looks the same as a learner that is down: say so.
-                self.log.warning("actor.waiting_for_learner", learner=self.learner, retry_s=backoff, curve=self.keys is not None,
-                                 **({"hint": "if the learner is up, it does not admit auth.client_key"} if self.keys else {}))
+                # A failed handshake is the likely cause; without one nothing answered at that address (a refused client
+                # key never gets here: the watch task stops the actor).
+                why = {"cause": self.handshake_error} if self.handshake_error else {"hint": "is the learner up, at this address?"}
+                self.log.warning("actor.waiting_for_learner", learner=self.learner, retry_s=backoff, curve=self.keys is not None, **why)
                 backoff = min(backoff * 2, 30.0)
                 await self._register()
                 continue
@@ -206,6 +273,7 @@ class Actor:
             await asyncio.sleep(self.cfg.hub.heartbeat_s)
 
     async def _receive(self) -> None:
+        assert self.sock is not None
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             try:
@@ -339,6 +407,7 @@ class Actor:
 
 def run_actor(cfg: Config, learner: str, actor_id: str | None = None) -> int:
     pin_cpus(parse_cpus(cfg.actor.cpu_affinity, "actor.cpu_affinity"))  # inherited by vLLM's processes
+    lifeline.root()  # before the engine: its processes die with this one, whatever kills it
     async def main() -> int:
         return await Actor(cfg, learner, actor_id).run()
 

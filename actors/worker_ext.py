@@ -38,8 +38,11 @@ from typing import Any
 
 import torch
 
+from actors import lifeline
 from actors.weight_receiver import WeightReceiver
 from protocol import weights as wg
+
+lifeline.attach()  # this process hosts a vLLM worker: it dies with the actor (a no-op if deploy/cli.py attached it)
 
 _pack_linear: Callable[..., None] | None
 try:  # only the CPU build packs weights; on CUDA this patch is never reached.

@@ -27,9 +27,14 @@ import socket
 import sys
 from pathlib import Path
 
+from actors import lifeline
 from deploy.errors import UsageError, report
 from protocol.config import Config, ConfigError, load_config, tcp_port
 from protocol.logs import current_log_file, learner_log_file
+
+# A process that an actor starts through multiprocessing (vLLM's engine core and workers) runs this module first,
+# as its parent's main module: from here on it dies with the actor (actors/lifeline.py). Anywhere else: nothing.
+lifeline.attach()
 
 
 def version() -> str:

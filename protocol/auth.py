@@ -102,6 +102,36 @@ def _client_pair(server: tuple[str, str], client: tuple[str, str]) -> ClientKeys
     return ClientKeys(server_public=server_public, public=public, secret=secret)
 
 
+def handshake_failure(event: int, value: int, server_key: str = "auth.server_key", client_key: str = "auth.client_key") -> str | None:
+    """Why a client's CURVE handshake with the hub failed, as far as ZeroMQ tells it, from the client socket's monitor
+    event and its value; None for an event that is no handshake failure. `server_key`/`client_key` name the settings.
+
+    What a client sees (libzmq 4.3, tests/test_auth.py):
+    - HANDSHAKE_FAILED_AUTH, ZAP status 400: the hub's gatekeeper refused the client's public key. Final: libzmq
+      does not retry it.
+    - HANDSHAKE_FAILED_NO_DETAIL: the hub hung up without a word. It does when it cannot decrypt the client's
+      HELLO, which the client encrypted for the server key it was given, and when it runs without CURVE. The
+      client key is not the cause: it travels only after the HELLO, and a key pair that does not match itself is
+      refused when its file is read (`_read`). libzmq retries on every reconnect.
+    - HANDSHAKE_FAILED_PROTOCOL, mechanism mismatch: the hub uses CURVE and the client does not.
+    """
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        if value == 400:
+            return (f"the learner refused this client's key: the public key of {client_key} is not in the learner's "
+                    "auth.authorized folder")
+        return f"the learner's key check failed (ZAP status {value})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return (f"the learner hung up during the CURVE handshake: {server_key} is not the public key of the learner at "
+                "this address (use the server.key written with its auth.server_secret), or that learner runs without "
+                f"CURVE. Not {client_key}: the learner drops the handshake before it sees the client key, and refuses an "
+                "unlisted one with a reason")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return f"the learner uses CURVE and this client does not: set {server_key} and {client_key} (auth.curve = on)"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"the handshake with the learner broke ZeroMQ's protocol (ZMTP error {value:#x}): is a FleetRL learner at this address?"
+    return None
+
+
 def load_allow_list(folder: Path) -> tuple[dict[bytes, str], list[str]]:
     """Client public keys in `folder` (*.key): {Z85 key: name}, and a line per file that could not be read."""
     keys: dict[bytes, str] = {}
@@ -179,6 +209,8 @@ def _read(value: str, field: str, need_secret: bool) -> tuple[bytes, bytes | Non
     for what, key in (("public", public), ("secret", secret)):
         if key is not None and len(key) != 40:
             raise ConfigError(f"{field}: {path}: {what} key is {len(key)} characters, expected 40 (Z85)")
+    if secret is not None and zmq.curve_public(secret) != public:  # else the hub would just hang up on every handshake
+        raise ConfigError(f"{field}: {path}: its public key is not the one of its secret key (a damaged or edited file)")
     return public, secret
 
 

@@ -6,6 +6,7 @@ the hub runs, a removed one is cut off.
 """
 
 import asyncio
+import json
 import os
 import socket
 import stat
@@ -383,3 +384,109 @@ def test_ctl_and_status_speak_curve_with_the_operator_key(tmp_path, capsys):
         assert "--client-key" in capsys.readouterr().err
     finally:
         hub.stop()
+
+
+def _first_handshake_failure(addr: str, keys: ClientKeys) -> tuple[int, int]:
+    """(event, value) of the first failed handshake a client socket with `keys` reports."""
+    failures = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+    async def watch():
+        ctx = zmq.asyncio.Context()
+        sock = transport.client_socket(ctx, addr, 64, 1 << 20, keys, events=failures)
+        try:
+            async with aclosing(transport.socket_events(sock, failures)) as events:
+                event = await asyncio.wait_for(anext(events), timeout=5.0)
+                return int(event["event"]), int(event["value"])
+        finally:
+            ctx.destroy(linger=0)
+
+    return asyncio.run(watch())
+
+
+def test_a_failed_handshake_names_the_key_at_fault(tmp_path):
+    """From what real sockets report: a client key the hub does not list is refused (ZAP status 400) and named; with
+    another server key the hub hangs up without a word, and the message names the server key, not the client key.
+    A key pair file whose halves do not match is refused when it is read: the hub would hang up on it the same way."""
+    keys, stranger = tmp_path / "keys", tmp_path / "stranger"
+    auth.generate(keys, ["actor-a"])
+    auth.generate(stranger, ["actor-a"])  # another learner's key folder
+    port = free_port()
+    addr = f"tcp://127.0.0.1:{port}"
+    unlisted = auth.client_keys(curve_config(keys, port, f"auth.client_key={stranger}/clients/actor-a.key_secret"), addr)
+    wrong_server = auth.client_keys(curve_config(keys, port, f"auth.server_key={stranger}/server.key"), addr)
+    assert unlisted is not None and wrong_server is not None
+    hub = start_hub(curve_config(keys, port))
+    try:
+        refused = _first_handshake_failure(addr, unlisted)
+        dropped = _first_handshake_failure(addr, wrong_server)
+    finally:
+        hub.stop()
+    assert refused == (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400)
+    assert dropped[0] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    refused_why, dropped_why = auth.handshake_failure(*refused), auth.handshake_failure(*dropped)
+    assert refused_why is not None and dropped_why is not None
+    assert refused_why.startswith("the learner refused this client's key") and "auth.client_key" in refused_why
+    assert "server_key" not in refused_why
+    assert "auth.server_key is not the public key of the learner at this address" in dropped_why
+    assert "Not auth.client_key" in dropped_why  # said plainly: the client key is not the cause
+    assert "--server-key is not" in auth.handshake_failure(*dropped, server_key="--server-key", client_key="--client-key")
+    assert auth.handshake_failure(zmq.EVENT_DISCONNECTED, 12) is None
+
+    secret_file = keys / "clients" / "actor-a.key_secret"
+    other_public = zmq.auth.load_certificate(stranger / "server.key")[0].decode()
+    own_public = zmq.auth.load_certificate(secret_file)[0].decode()
+    damaged = tmp_path / "damaged.key_secret"
+    damaged.write_text(secret_file.read_text().replace(own_public, other_public))
+    damaged.chmod(0o600)
+    with pytest.raises(ConfigError, match=r"^auth.client_key: .*damaged.key_secret: its public key is not the one of its secret key"):
+        auth.client_keys(curve_config(keys, port, f"auth.client_key={damaged}"), addr)
+
+
+def test_an_actor_says_which_key_its_handshake_failed_on(tmp_path):
+    """The actor's own lines (actors/main.py). With another server key libzmq retries forever, so the actor keeps
+    going and keeps saying why: once in actor.handshake_failed, again in each actor.waiting_for_learner. With an
+    unlisted client key (final) it stops, exit code 1, with actor.key_refused naming the client key."""
+    from actors.main import CONNECTION_EVENTS, Actor
+
+    keys, stranger = tmp_path / "keys", tmp_path / "stranger"
+    auth.generate(keys, ["actor-a"])
+    auth.generate(stranger, ["actor-a"])
+    port = free_port()
+    addr = f"tcp://127.0.0.1:{port}"
+    hub = start_hub(curve_config(keys, port))
+
+    async def run(actor, seconds):
+        ctx = zmq.asyncio.Context()
+        actor.sock = transport.client_socket(ctx, addr, 64, 1 << 20, actor.keys, events=CONNECTION_EVENTS)
+        tasks = [asyncio.ensure_future(actor._watch_connection()), asyncio.ensure_future(actor._heartbeat())]
+        try:
+            await asyncio.wait_for(actor.stop.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        ctx.destroy(linger=0)
+
+    def events(actor_id, name):
+        lines = (tmp_path / "run" / "logs" / f"actor-{actor_id}.jsonl").read_text().splitlines()
+        return [e for e in map(json.loads, lines) if e["event"] == name]
+
+    try:
+        wrong_server = Actor(curve_config(keys, port, f"auth.server_key={stranger}/server.key", f"run.dir={tmp_path / 'run'}"),
+                             addr, "wrong-server")
+        asyncio.run(run(wrong_server, 3.5))  # registration retries after 1 s and 2 s more
+        unlisted = Actor(curve_config(keys, port, f"auth.client_key={stranger}/clients/actor-a.key_secret",
+                                      f"run.dir={tmp_path / 'run'}"), addr, "unlisted")
+        asyncio.run(run(unlisted, 5.0))
+    finally:
+        hub.stop()
+    assert not wrong_server.stop.is_set() and wrong_server.exit_code == 0
+    [failed] = events("wrong-server", "actor.handshake_failed")
+    assert failed["cause"].startswith("the learner hung up during the CURVE handshake: auth.server_key is not")
+    waiting = events("wrong-server", "actor.waiting_for_learner")
+    assert len(waiting) >= 2 and all(e["cause"] == failed["cause"] for e in waiting), waiting
+    assert unlisted.stop.is_set() and unlisted.exit_code == 1
+    [refused] = events("unlisted", "actor.key_refused")
+    assert refused["status"] == 400 and "auth.client_key" in refused["cause"] and "server_key" not in refused["cause"]
+    assert not events("unlisted", "actor.handshake_failed")

@@ -6,7 +6,8 @@ multiprocessing child: multiprocessing's spawn would import the actor's own main
 every worker, and fork would copy an actor that runs threads.
 
 It exits when the actor closes the connection, or when its parent changes (the actor died and the worker
-was re-parented): it must not outlive the actor. SIGINT is ignored: a Ctrl-C reaches the whole process
+was re-parented): it must not outlive the actor. On Linux the kernel also kills it when the actor dies, in the
+middle of a call too (actors/lifeline.py). SIGINT is ignored: a Ctrl-C reaches the whole process
 group, and the actor stops its workers itself.
 """
 
@@ -17,6 +18,7 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
+from actors import lifeline
 from actors.rewards.base import load_reward, score_one
 from protocol.logs import first_line
 
@@ -24,6 +26,7 @@ PARENT_CHECK_S = 1.0  # how often an idle worker checks that the actor is still 
 
 
 def main(argv: list[str]) -> int:
+    lifeline.attach()  # dies with the actor even inside a reward call that never returns
     fd, spec = int(argv[0]), argv[1]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()

@@ -3,7 +3,8 @@
     rank 0:  take a batch of admissible groups (blocks) -> advantages -> scatter shares -+
     ranks 1..N-1:                                          receive their share <---------+
     every rank:  update (S optimizer steps, DeepSpeed)  ->  weight snapshot (collective under ZeRO-3)
-    rank 0:  version += S -> ledger: trained; grants resume -> broadcast weights to the actors
+    rank 0:  version += steps applied (S unless DeepSpeed skipped some) -> ledger: trained, or requeued if a step
+             failed (learner/hub/intake.py: settle_update); grants resume -> broadcast weights to the actors
              -> every eval.every_steps: the actors evaluate this version (learner/hub/evaluation.py)
              -> every checkpoint.every_steps: Hugging Face checkpoint (learner/checkpoint.py)
                 plus the training state; every rank saves its DeepSpeed shard (learner/resume.py)
@@ -29,7 +30,7 @@ import torch
 from learner.checkpoint import WRITE_ERRORS, CheckpointManager, hf_writer, staging_dir
 from learner.data.prompts import load_datasets
 from learner.evaluator import Evaluator
-from learner.hub.intake import take_update_batch
+from learner.hub.intake import settle_update, take_update_batch
 from learner.hub.server import Hub
 from learner.metrics import MetricsWriter
 from learner.model_files import load_tokenizer
@@ -48,6 +49,7 @@ from learner.resume import (
 )
 from learner.rollout_stats import rollout_metrics
 from learner.samples import SampleWriter
+from learner.train.batch import InvalidBatch
 from learner.train.distributed import Topology, init_distributed, make_topology
 from learner.train.shard import Share, scatter_shares
 from learner.train.trainer import StepLayout, Trainer, make_shares
@@ -121,9 +123,10 @@ def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
     while True:
         share = scatter_shares(topo, None)
         if not share.stop:
-            trainer.update(share)
-            set_context(policy_version=share.version + trainer.layout.steps)
-            weights.follow()
+            stats = trainer.update(share)
+            set_context(policy_version=share.version + stats.applied_steps)
+            if stats.applied_steps:  # rank 0 syncs only weights that moved; every rank knows the same count
+                weights.follow()
             updates += 1
         if share.save_step:  # rank 0 writes the same checkpoint now (it decided before the update)
             save_engines(trainer, staging_dir(Path(cfg.run.dir), share.save_step) / STATE_DIR)
@@ -140,14 +143,17 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     wandb = WandbLogger(cfg.log, run_dir, cfg.to_dict()) if cfg.log.wandb else None
     if wandb is not None:
         log.info("learner.wandb", mode=cfg.log.wandb_mode, run=wandb.where)
-    hub = Hub(cfg, prompts, control_file=run_dir / "control.toml")  # operator's live settings (learner/hub/control.py)
+    # Operator's live settings (learner/hub/control.py); token ids of admitted groups stay below the embedding's rows.
+    hub = Hub(cfg, prompts, control_file=run_dir / "control.toml", vocab_size=trainer.vocab_size)
     version, updates = 0, 0
+    skipped_steps, refused_batches = 0, 0  # optimizer steps that failed (learner/train/step_check.py), batches refused
     kept_rows: list[dict] = []
     last_row: dict = {}  # the newest metrics row, kept in the checkpoint's learner state
     if checkpoint is not None:  # before hub.start(): no actor sees the hub before it holds the restored ledger
         state = read_learner_state(checkpoint)
         hub.restore(state.hub, state.version)
         version, updates, last_row = state.version, state.updates, state.row
+        skipped_steps, refused_batches = int(last_row.get("train/skipped_steps", 0)), int(last_row.get("train/refused_batches", 0))
         kept_rows = restore_metrics(run_dir, state)
         discard_newer(run_dir, updates)
         set_context(policy_version=version)
@@ -190,7 +196,6 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     t_start = time.perf_counter()
-    steps = trainer.layout.steps
     eta = Eta(total_updates)
     stop_sent = False
     try:
@@ -206,27 +211,33 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
             # Decided before the update so that every rank saves after the same one (Share.save_step).
             save_step = updates + 1 if checkpoints.wants(updates + 1, last=updates + 1 >= total_updates) else 0
             try:
-                shares, advantages = make_shares(cfg, groups, version, k, topo.dp_size)
+                shares, advantages = make_shares(cfg, groups, version, k, topo.dp_size, vocab_size=trainer.vocab_size)
                 for share in shares:
                     share.save_step = save_step
                 stats = trainer.update(scatter_shares(topo, shares))
+            except InvalidBatch as e:  # raised before the scatter: no other rank saw the batch, none waits on it
+                hub.abort_update(batch + filtered)
+                refused_batches += 1
+                log.error("learner.batch_refused", error=str(e), groups=len(batch), requeued=len(batch) + len(filtered))
+                continue
             except Exception:
                 hub.abort_update(batch + filtered)
                 raise
             t_train = time.perf_counter() - t0 - t_wait
-            version += steps
-            updates += 1
+            start, updates = version, updates + 1
+            version = settle_update(hub, batch + filtered, start, stats.applied_steps, stats.failed_steps, log)
+            skipped_steps += len(stats.failed_steps)
             set_context(policy_version=version)
-            hub.finish_update(version, [item.key for item in batch + filtered])
             t_sync = time.monotonic()
-            sync = sender.sync(version, hub, snapshot)
+            # Weights that did not move (every step skipped) are not sent again; the followers skip their part too.
+            sync = sender.sync(version, hub, snapshot) if stats.applied_steps else {"time/weight_sync": 0.0}
             step_s = time.perf_counter() - t0
             hub.note_update(step_s, t_sync, sync["time/weight_sync"], sync.get("time/broadcast"))
             last = updates >= total_updates
             # Blocks until the actors answer (time/eval, not in time/step); no newer weights go out meanwhile,
             # so `version` is what they serve.
             evals = evaluator.run(version, updates, last, should_stop=lambda: stop["flag"])
-            stale = [version - steps - g.version_min for g in groups]
+            stale = [start - g.version_min for g in groups]
             reward_mean = float(np.mean([g.rewards.mean() for g in groups]))
             rollout = rollout_metrics(groups, [item.group for item in filtered])
             row = {
@@ -237,7 +248,8 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
                 "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
                 "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
                 "grad_norm": stats.grad_norm, "adv_abs_mean": float(advantages.abs().mean()), "max_staleness": k,
-                "groups_filtered": len(filtered), "batch/actors": len({g.actor_id for g in groups}), **rollout,
+                "groups_filtered": len(filtered), "train/skipped_steps": skipped_steps, "train/refused_batches": refused_batches,
+                "batch/actors": len({g.actor_id for g in groups}), **rollout,
                 "batch/on_policy_actors": len({g.actor_id for g, s in zip(groups, stale, strict=True) if s == 0}), "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
             }
             last_row = row

@@ -71,6 +71,10 @@ class RolloutConfig:
     reward_fn: str = "actors.rewards:exact_match"  # import path `package.module:function` (built-ins: actors/rewards)
     reward_timeout_s: float = 10.0  # a reward call running longer is killed (its worker replaced) and scores 0, counted an error
     reward_workers: int = 2  # processes per actor that run the reward function, off the actor's event loop
+    # A group with a behaviour logprob below this is refused: sampling any token this unlikely has a chance of at
+    # most vocabulary x e^min_logprob, whatever the distribution (e^-88 for 152k tokens), so it means a broken actor
+    min_logprob: float = -100.0
+    reward_bound: float = 1e4  # a group with a reward beyond +-this is refused: the built-ins stay within +-10; 3e38 overflowed the advantages
 
 
 @dataclass(kw_only=True, slots=True)
@@ -165,6 +169,9 @@ class HubConfig:
     max_frame_bytes: int = 64 << 20  # frames larger than this are rejected before decoding
     heartbeat_s: float = 2.0  # actor heartbeat period
     actor_timeout_s: float = 30.0  # an actor silent this long is declared dead
+    quarantine_after: int = 3  # refused groups within quarantine_window_s that get an actor quarantined (0 = never)
+    quarantine_window_s: float = 600.0  # the window those refusals are counted over
+    quarantine_s: float = 3600.0  # how long a quarantined actor's id and connection are refused (a learner restart forgets it)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -357,6 +364,8 @@ def _check(cfg: Config) -> None:
     need(":" in cfg.rollout.reward_fn, "rollout.reward_fn", "must look like package.module:function")
     need(cfg.rollout.reward_timeout_s > 0, "rollout.reward_timeout_s", "must be > 0")
     need(cfg.rollout.reward_workers >= 1, "rollout.reward_workers", "must be >= 1")
+    need(cfg.rollout.min_logprob < 0, "rollout.min_logprob", f"{cfg.rollout.min_logprob} must be < 0 (logprobs are <= 0)")
+    need(cfg.rollout.reward_bound > 0, "rollout.reward_bound", f"{cfg.rollout.reward_bound} must be > 0")
     need(cfg.train.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
     need(cfg.train.total_steps >= 1, "train.total_steps", "must be >= 1")
     need(cfg.train.lr > 0, "train.lr", "must be > 0")
@@ -408,6 +417,9 @@ def _check(cfg: Config) -> None:
     need(cfg.staleness.lease_s > 0, "staleness.lease_s", "must be > 0")
     need(tcp_port(cfg.hub.bind) is not None, "hub.bind", f"{cfg.hub.bind!r} must be tcp://HOST:PORT, PORT in 1-65535")
     need(cfg.hub.hwm >= 1, "hub.hwm", "must be >= 1")
+    need(cfg.hub.quarantine_after >= 0, "hub.quarantine_after", "must be >= 0 (0 = never)")
+    need(cfg.hub.quarantine_window_s > 0, "hub.quarantine_window_s", "must be > 0")
+    need(cfg.hub.quarantine_s > 0, "hub.quarantine_s", "must be > 0")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
     need(cfg.weights.snapshot in ("device", "host"), "weights.snapshot", f"{cfg.weights.snapshot!r} must be device or host")
     _check_auth(cfg, need)

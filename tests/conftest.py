@@ -60,15 +60,18 @@ def _no_rendezvous_leaks():
             os.environ[k] = v
 
 
-def rollout_group(n=3, prompt_len=4, version=0, seed=0, actor="a0", prompt_id=7, epoch=0):
+def rollout_group(n=3, prompt_len=4, version=0, seed=0, actor="a0", prompt_id=7, epoch=0, prompt_tokens=None):
+    """A well-formed group: completions of 1..4 tokens (rollout.max_tokens' default), ids < 20, logprobs in (-1, 0].
+    The hub admits it only with the granted prompt's tokens as `prompt_tokens` (a grant's)."""
     from protocol.messages import RolloutGroup
 
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 6, size=n).astype(np.int32)
+    lengths = rng.integers(1, 5, size=n).astype(np.int32)
     total = int(lengths.sum())
+    random_prompt = rng.integers(0, 20, size=prompt_len).astype(np.int32)
     return RolloutGroup(
         actor_id=actor, prompt_id=prompt_id, epoch=epoch,
-        prompt_tokens=rng.integers(0, 20, size=prompt_len).astype(np.int32), lengths=lengths,
+        prompt_tokens=random_prompt if prompt_tokens is None else np.asarray(prompt_tokens, np.int32), lengths=lengths,
         completion_tokens=rng.integers(0, 20, size=total).astype(np.int32),
         behaviour_logprobs=-rng.random(total).astype(np.float32), rewards=rng.random(n).astype(np.float32),
         finish_reasons=["stop"] * n, version_min=version, version_max=version, gen_s=0.5, reward_s=0.01)

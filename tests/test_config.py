@@ -38,6 +38,10 @@ def test_overrides_parse_types():
         ("weights.snapshot=gpu", "weights.snapshot"),
         ("cluster.gpu_memory_gib=0", "cluster.gpu_memory_gib"),
         ("eval.top_p=0.95", "eval.greedy"),  # greedy decoding would ignore it silently
+        ("rollout.min_logprob=0", "rollout.min_logprob"),
+        ("rollout.reward_bound=0", "rollout.reward_bound"),
+        ("hub.quarantine_after=-1", "hub.quarantine_after"),
+        ("hub.quarantine_s=0", "hub.quarantine_s"),
     ],
 )
 def test_errors_name_the_field(override, field):

@@ -86,7 +86,7 @@ def test_eval_is_outside_admission_and_the_ledger():
 
         # A training group still lands in the buffer and the ledger as before.
         w = work[0]
-        sock.send_multipart(encode(rollout_group(n=2, actor="a0", prompt_id=w.prompt_id, epoch=w.epoch)))
+        sock.send_multipart(encode(rollout_group(n=2, actor="a0", prompt_id=w.prompt_id, epoch=w.epoch, prompt_tokens=w.prompt_tokens)))
         # A result from the wrong version is rejected and its prompt granted again.
         sock.send_multipart(answer(g0, version=3, reward=1.0))
         reply = recv(sock)

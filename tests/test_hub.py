@@ -42,11 +42,11 @@ def test_bad_input_is_answered_counted_and_survived():
 
         ack = _ask(sock, encode(m.Register(actor_id="a0", host="h", pid=1, served_version=0)))
         assert isinstance(ack, m.RegisterAck) and ack.policy_version == 0
-        reply = _ask(sock, encode(rollout_group(n=5, actor="a0")))  # wrong group size
-        assert reply.code == "rejected" and "expected 3" in reply.detail
+        reply = _ask(sock, encode(rollout_group(n=5, actor="a0")))  # a prompt nobody was granted
+        assert reply.code == "rejected" and "not granted to 'a0'" in reply.detail
 
         snap = hub.snapshot()
-        assert snap["hub/protocol_errors"] == 4 and snap["hub/unknown_actor"] == 1 and snap["hub/bad_group_size"] == 1
+        assert snap["hub/protocol_errors"] == 4 and snap["hub/unknown_actor"] == 1 and snap["hub/rejected_grant"] == 1
         assert snap["hub/actors"] == 1 and snap["ledger/received"] == 0  # state intact, nothing accepted
         sock.send_multipart(encode(m.WorkRequest(actor_id="a0", max_prompts=2)))
         grants = []
@@ -60,15 +60,15 @@ def test_bad_input_is_answered_counted_and_survived():
             sock.send_multipart(encode(m.WorkRequest(actor_id="a0", max_prompts=2)))
         assert not sock.poll(1000), "granted past the actor's capacity"
         g = grants[0]
-        done = rollout_group(n=3, actor="a0", prompt_id=g.prompt_id, epoch=g.epoch)
+        done = rollout_group(n=3, actor="a0", prompt_id=g.prompt_id, epoch=g.epoch, prompt_tokens=g.prompt_tokens)
         sock.send_multipart(encode(done))
         sock.send_multipart(encode(m.WorkRequest(actor_id="a0", max_prompts=2)))
         assert sock.poll(5000) and isinstance(new := decode(sock.recv_multipart()), m.WorkGrant)
         assert not sock.poll(1000), "granted past the actor's capacity"
         # A rejected group (wrong size) gives its prompt back at once and frees the slot.
-        bad = rollout_group(n=5, actor="a0", prompt_id=new.prompt_id, epoch=new.epoch)
-        assert _ask(sock, encode(bad)).code == "rejected"
-        assert hub.snapshot()["ledger/requeued_rejected"] == 1
+        bad = rollout_group(n=5, actor="a0", prompt_id=new.prompt_id, epoch=new.epoch, prompt_tokens=new.prompt_tokens)
+        assert "expected 3" in (reply := _ask(sock, encode(bad))).detail and reply.code == "rejected"
+        assert hub.snapshot()["ledger/requeued_rejected"] == 1 and hub.snapshot()["hub/rejected_size"] == 1
         sock.send_multipart(encode(m.WorkRequest(actor_id="a0", max_prompts=2)))
         assert sock.poll(5000) and isinstance(decode(sock.recv_multipart()), m.WorkGrant)
     finally:

@@ -37,7 +37,7 @@ def grants(outs):
 
 
 def group_for(grant, actor="a0", version=0):
-    return rollout_group(n=3, actor=actor, prompt_id=grant.prompt_id, epoch=grant.epoch, version=version)
+    return rollout_group(n=3, actor=actor, prompt_id=grant.prompt_id, epoch=grant.epoch, version=version, prompt_tokens=grant.prompt_tokens)
 
 
 def test_register_ack_and_unknown_actor(prompts):

@@ -1,4 +1,5 @@
-"""Rank 0 takes the groups of one update from the hub: blocking, stoppable, and (optionally) filtered.
+"""Rank 0 takes the groups of one update from the hub (blocking, stoppable, optionally filtered), and settles
+the update with the hub once it ran.
 
 With algo.filter_equal_rewards, a group whose rewards are all equal carries no GRPO signal
 (every advantage is 0): it is consumed (its prompt counts as trained, `groups_filtered`)
@@ -56,3 +57,21 @@ def take_update_batch(hub: Hub, cfg: Config, stop: dict, log) -> tuple[list[Acce
             need = n - len(kept)
             kept, filtered = kept + filtered[:need], filtered[need:]
     return kept, filtered
+
+
+def settle_update(hub: Hub, items: list[Accepted], start: int, applied: int, failed: list[int], log) -> int:
+    """After an update of S optimizer steps from version `start`: the version it reached, told to the hub.
+
+    The version counts optimizer steps that reached the weights the actors get: `applied` of them. An update with
+    a failed step (skipped by DeepSpeed, or a non-finite loss or gradient norm: learner/train/step_check.py) marks
+    none of its prompts trained: they go back to the queue, to be generated afresh (the samples of its other steps
+    did move the weights, which an honest version says, but the ledger never calls a prompt trained that a
+    skipped step dropped)."""
+    version = start + applied
+    if failed:
+        log.warning("learner.step_skipped", steps=failed, applied=applied, version=version, requeued=len(items),
+                    detail="a non-finite loss or gradient: the update's prompts go back to the queue")
+        hub.abort_update(items, version)
+    else:
+        hub.finish_update(version, [item.key for item in items])
+    return version

@@ -7,8 +7,11 @@
 A prompt is keyed by (epoch, prompt_id). Epochs open lazily when the pending queue
 runs dry, each in its own seeded shuffle, so a resumed run replays the same order.
 A result for a prompt that is already received or trained is a duplicate: counted,
-not trained again. A late result for a prompt whose lease expired is still taken
-while nobody else has delivered it (the work was done; wasting it helps no one).
+not trained again. A result is taken only from the actor the prompt was granted to
+(`may_deliver`): a group for a prompt never granted, or granted to someone else, is
+refused. A late result, from an actor whose lease on the prompt expired or which was
+declared dead while holding it, is still taken while nobody else has delivered it (the
+work was done; wasting it helps no one).
 
 A learner checkpoint stores the ledger (`state_dict`). On resume (`from_state`) granted
 and received prompts go back to pending, at the front of the queue: the groups in the
@@ -43,6 +46,7 @@ class Entry:
     state: State
     actor: str | None = None  # holder while granted
     deadline: float = 0.0  # lease end while granted (monotonic seconds)
+    lapsed: tuple[str, ...] = ()  # actors whose grant of it lapsed (lease, death) since its last result: their late result counts
 
 
 class Ledger:
@@ -83,19 +87,34 @@ class Ledger:
         assert entry.state is State.PENDING, f"grant of {key} in state {entry.state}"
         entry.state, entry.actor, entry.deadline = State.GRANTED, actor, deadline
 
-    def receive(self, key: Key) -> bool:
-        """A result arrived. True if it is the first for this prompt (then the prompt is received)."""
+    def may_deliver(self, key: Key, actor: str) -> bool:
+        """Whether a result from `actor` for `key` is its to give: granted to it now, or a late result of a grant
+        that lapsed. A result for a prompt already received or trained is a duplicate: True, receive() counts it."""
         entry = self.entries.get(key)
-        if entry is None or entry.state in (State.RECEIVED, State.TRAINED):
+        if entry is None:
+            return False
+        if entry.state in (State.RECEIVED, State.TRAINED):
+            return True
+        return (entry.state is State.GRANTED and entry.actor == actor) or actor in entry.lapsed
+
+    def receive(self, key: Key) -> bool:
+        """A result arrived (may_deliver said so). True if it is the first for this prompt (then received)."""
+        entry = self.entries[key]
+        if entry.state in (State.RECEIVED, State.TRAINED):
             self.counts["duplicates"] += 1
             return False
-        entry.state, entry.actor = State.RECEIVED, None
+        assert entry.state is State.GRANTED or entry.lapsed, f"receive of {key}: never granted"
+        entry.state, entry.actor, entry.lapsed = State.RECEIVED, None, ()
         return True
 
     def requeue(self, key: Key, reason: str) -> None:
-        """Back to pending, at the front of the queue (it has waited longest)."""
+        """Back to pending, at the front of the queue (it has waited longest). A grant that lapsed (its lease ran
+        out, its actor was declared dead) leaves that actor free to deliver it late."""
         entry = self.entries[key]
         assert entry.state in (State.GRANTED, State.RECEIVED), f"requeue of {key} in state {entry.state}"
+        holder = entry.actor
+        if entry.state is State.GRANTED and reason in ("lease", "dead") and holder is not None and holder not in entry.lapsed:
+            entry.lapsed = (*entry.lapsed, holder)
         entry.state, entry.actor = State.PENDING, None
         self.queue.appendleft(key)
         self.counts[f"requeued_{reason}"] += 1

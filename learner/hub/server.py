@@ -47,11 +47,12 @@ SEND_TIMEOUT_S = 10.0  # how long a grant or a WeightSync may wait for room in a
 class Hub:
     """The learner's handle on the hub: the training-thread API, and the thread that serves the socket."""
 
-    def __init__(self, cfg: Config, prompts: PromptSet, control_file: Path | None = None):
+    def __init__(self, cfg: Config, prompts: PromptSet, control_file: Path | None = None, vocab_size: int | None = None):
+        """`vocab_size`: rows of the model's embedding; token ids of admitted groups stay below it (None: unchecked)."""
         self.cfg = cfg
         self.log = get_logger()
         self.cond = threading.Condition()
-        self.state = HubState(cfg, prompts, time.monotonic())
+        self.state = HubState(cfg, prompts, time.monotonic(), vocab_size)
         self.stopping = False
         self.control_file = control.ControlFile(control_file) if control_file is not None else None
         # CURVE keys (None: off, loopback only); a missing or bad key file fails here, before anything starts.
@@ -148,10 +149,11 @@ class Hub:
             self.state.finish_update(version, trained)
         self._kick()
 
-    def abort_update(self, batch: list[Accepted]) -> None:
-        """A failed update returns its prompts to the queue (never silently lost)."""
+    def abort_update(self, batch: list[Accepted], version: int | None = None) -> None:
+        """A failed update returns its prompts to the queue (never silently lost); `version`: where the steps it
+        applied took the weights (None: unchanged)."""
         with self.cond:
-            self.state.abort_update(batch)
+            self.state.abort_update(batch, version)
         self._kick()
 
     def start_eval(self, rnd: EvalRound) -> None:

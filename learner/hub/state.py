@@ -1,4 +1,6 @@
 """The hub's logic with no I/O: actor registry, admission, dispatch, batch buffer, eval rounds, export and restore.
+A rollout group is admitted only for a prompt granted to its actor and after learner/hub/checks.py's checks;
+an actor whose groups keep failing them is quarantined (learner/hub/quarantine.py).
 
     (identity, message, now) --handle()--> state changes --> [Out(identity, message), ...] to send
     now                      --tick()----> heartbeat and lease expiry
@@ -19,8 +21,10 @@ from typing import Any
 
 from learner.data.prompts import PromptSet
 from learner.hub import staleness as st
+from learner.hub.checks import GroupLimits, Refusal, check_group
 from learner.hub.evaluation import EvalRound
-from learner.hub.ledger import Key, Ledger
+from learner.hub.ledger import Key, Ledger, State
+from learner.hub.quarantine import Quarantine
 from protocol import messages as m
 from protocol.config import Config
 from protocol.logs import get_logger
@@ -87,9 +91,13 @@ def _error(identity: bytes, code: str, detail: str) -> Out:
 
 
 class HubState:
-    def __init__(self, cfg: Config, prompts: PromptSet, now: float):
+    def __init__(self, cfg: Config, prompts: PromptSet, now: float, vocab_size: int | None = None):
+        """`vocab_size`: rows of the model's embedding, the bound on token ids (learner/main.py passes it; None
+        checks none, for hubs that train nothing)."""
         self.cfg = cfg
         self.prompts = prompts
+        self.limits = GroupLimits.of(cfg, vocab_size)
+        self.quarantine = Quarantine(cfg.hub.quarantine_after, cfg.hub.quarantine_window_s, cfg.hub.quarantine_s)
         self.log = get_logger()
         self.ledger = Ledger(len(prompts), cfg.data.epochs, cfg.run.seed)
         self.actors: dict[str, ActorState] = {}
@@ -115,9 +123,16 @@ class HubState:
         if handler is None:
             self.counters["protocol_errors"] += 1
             return [_error(identity, "protocol", f"{type(msg).__name__} is not for the hub")]
+        if self.quarantine.refuses_identity(identity, now):
+            self.counters["quarantined_messages"] += 1
+            return [_error(identity, "quarantined", "this connection's actor is quarantined for sending refused groups")]
         return handler(self, identity, msg, now, key)
 
     def _register(self, identity: bytes, msg: m.Register, now: float, key: str | None) -> list[Out]:
+        if self.quarantine.refuses_id(msg.actor_id, now):
+            self.counters["quarantined_messages"] += 1
+            self.log.warning("hub.register_refused", actor=msg.actor_id, key=key, why="quarantined")
+            return [_error(identity, "quarantined", f"actor id {msg.actor_id!r} is quarantined for sending refused groups")]
         old = self.actors.get(msg.actor_id)
         if old is not None and old.key != key:  # only the key that registered an id may take it over
             self.counters["register_wrong_key"] += 1
@@ -188,15 +203,17 @@ class HubState:
             return self._unknown(identity, msg.actor_id)
         group_key = (msg.epoch, msg.prompt_id)
         n, expected = msg.lengths.shape[0], self.cfg.rollout.samples_per_prompt
-        if msg.version_min > self.version:  # weights this learner never had (a lost learner's)
-            self.counters["rejected_ahead"] += 1
-            self._take_back(state, msg.actor_id, group_key)
-            return [_error(identity, "rejected", f"group of version {msg.version_min} is newer than the learner's {self.version}"),
-                    *self.pump(now)]
+        if msg.version_min > self.version:  # weights this learner never had (a lost learner's): no fault of the actor
+            return self._refuse(identity, state, msg.actor_id, group_key, now, strike=False, refusal=Refusal(
+                "ahead", f"group of version {msg.version_min} is newer than the learner's {self.version}"))
+        if not self.ledger.may_deliver(group_key, msg.actor_id):
+            return self._refuse(identity, state, msg.actor_id, group_key, now, Refusal("grant", f"not granted to {msg.actor_id!r}"))
         if n != expected:
-            self.counters["bad_group_size"] += 1
-            self._take_back(state, msg.actor_id, group_key)
-            return [_error(identity, "rejected", f"group has {n} samples, expected {expected}"), *self.pump(now)]
+            return self._refuse(identity, state, msg.actor_id, group_key, now, Refusal("size", f"group has {n} samples, expected {expected}"))
+        if self.ledger.entries[group_key].state in (State.GRANTED, State.PENDING):  # duplicates are dropped unread
+            refusal = check_group(msg, self.prompts[msg.prompt_id].tokens, self.limits)
+            if refusal is not None:
+                return self._refuse(identity, state, msg.actor_id, group_key, now, refusal)
         state.held.discard(group_key)
         if self.ledger.receive(group_key):
             state.groups += 1
@@ -252,6 +269,27 @@ class HubState:
                        k=self.max_staleness)
         self.ledger.requeue(item.key, "stale")
 
+    def _refuse(self, identity: bytes, state: ActorState, actor_id: str, key: Key, now: float, refusal: Refusal,
+                strike: bool = True) -> list[Out]:
+        """A group not admitted: counted by reason, its prompt back to the queue, the actor told which check failed.
+        With `strike` (the actor's fault) it counts toward quarantining the actor."""
+        self.counters[f"rejected_{refusal.reason}"] += 1
+        self._take_back(state, actor_id, key)
+        out = [_error(identity, "rejected", f"group for prompt {key[1]} (epoch {key[0]}) refused, {refusal.reason}: {refusal.detail}")]
+        if strike:
+            self.log.warning("hub.group_rejected", actor=actor_id, key=key, reason=refusal.reason, detail=refusal.detail[:MAX_DETAIL])
+            strikes = self.quarantine.strike(actor_id, now)
+            if strikes is not None:
+                self.quarantine.add(actor_id, identity, now)
+                self.release(actor_id, "quarantined", requeue="quarantined")
+                self.counters["actors_quarantined"] += 1
+                q = self.cfg.hub
+                self.log.warning("hub.actor_quarantined", actor=actor_id, key=state.key, refused=strikes, window_s=q.quarantine_window_s,
+                                 for_s=q.quarantine_s, last_reason=refusal.reason)
+                out.append(_error(identity, "quarantined", f"{strikes} groups refused within {q.quarantine_window_s:g} s (the last: "
+                                                           f"{refusal.reason}); actor {actor_id!r} is refused for {q.quarantine_s:g} s"))
+        return [*out, *self.pump(now)]
+
     def _take_back(self, state: ActorState, actor_id: str, key: Key) -> None:
         """A rejected group's prompt goes back to the queue now, not at its lease's end, and frees the actor's slot
         (its requests are capacities)."""
@@ -305,14 +343,14 @@ class HubState:
         return out
 
     # ---- membership -----------------------------------------------------------------------------
-    def release(self, actor_id: str, why: str) -> None:
-        """Forget an actor and requeue what it held."""
+    def release(self, actor_id: str, why: str, requeue: str = "dead") -> None:
+        """Forget an actor and requeue what it held (`requeue`: the ledger's reason; "dead" lets it deliver late)."""
         state = self.actors.pop(actor_id)
         if self.eval_round is not None:
             self.eval_round.release_actor(actor_id)
         requeued = [key for key in state.held if self.ledger.entries[key].actor == actor_id]
         for key in requeued:
-            self.ledger.requeue(key, "dead")
+            self.ledger.requeue(key, requeue)
         for fn in self.listeners:
             fn(actor_id, False)
         self.log.warning("hub.actor_removed", actor=actor_id, why=why, requeued=len(requeued), keys=sorted(requeued))
@@ -339,6 +377,7 @@ class HubState:
             self.release(actor_id, "heartbeat timeout")
             self.counters["actors_lost"] += 1
         expired = self.ledger.expire(now)
+        self.quarantine.expire(now)
         if self.eval_round is not None:
             self.eval_round.expire(now)
         for key in expired:
@@ -387,10 +426,14 @@ class HubState:
         self.version = version
         self.training = False
 
-    def abort_update(self, batch: list[Accepted]) -> None:
-        """A failed update returns its prompts to the queue (never silently lost)."""
+    def abort_update(self, batch: list[Accepted], version: int | None = None) -> None:
+        """A failed update returns its prompts to the queue (never silently lost). `version`: the version the steps
+        it did apply reached (an update with a skipped step still ran the others); None: the weights are unchanged."""
         for item in batch:
             self.ledger.requeue(item.key, "aborted")
+        if version is not None:
+            assert version >= self.version, f"version {version} < {self.version}"
+            self.version = version
         self.training = False
 
     def set_max_staleness(self, k: int, source: str) -> int:

@@ -16,6 +16,26 @@ import torch
 from protocol.messages import RolloutGroup
 
 
+class InvalidBatch(ValueError):
+    """Rank 0 refuses a rollout batch no model could train on; the update is aborted, its prompts requeued."""
+
+
+def check_batch(groups: list[RolloutGroup], vocab_size: int | None) -> None:
+    """The learner's own guard, behind the hub's admission checks (learner/hub/checks.py): an id outside the
+    embedding crashes the forward (on a GPU, a device-side assert that poisons the CUDA context), and a
+    non-finite logprob or reward turns the whole update into NaN. Raises InvalidBatch naming the group."""
+    for g in groups:
+        where = f"group of prompt {g.prompt_id} (epoch {g.epoch}) from {g.actor_id!r}"
+        ids = np.concatenate([g.prompt_tokens, g.completion_tokens])
+        if ids.size and vocab_size is not None and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise InvalidBatch(f"{where}: token ids {int(ids.min())}..{int(ids.max())} outside the embedding's 0..{vocab_size - 1}")
+        logprobs = g.behaviour_logprobs
+        if not np.isfinite(logprobs).all() or (logprobs.size and logprobs.max() > 0):
+            raise InvalidBatch(f"{where}: behaviour logprobs not all finite and <= 0")
+        if not np.isfinite(g.rewards).all():
+            raise InvalidBatch(f"{where}: non-finite reward")
+
+
 @dataclass(kw_only=True, slots=True)
 class Sample:
     tokens: np.ndarray  # int32 [prompt_len + completion_len]

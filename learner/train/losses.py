@@ -24,6 +24,13 @@ import torch
 
 from protocol.config import AlgoConfig
 
+# Bound on |logp - behaviour| before exp (verl clamps the same way). exp overflows float32 past 88; a behaviour
+# logprob an actor got wrong by that much (-200 for a likely token) made every gradient NaN (0 x inf in the
+# unselected branch of the min) and DeepSpeed skipped the whole step. A ratio of e^20 is far outside any clip
+# range: clamping only zeroes the gradient of tokens that are clipped or truncated anyway, except under
+# correction = none with A < 0, where it was astronomically large.
+LOG_RATIO_BOUND = 20.0
+
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
     """min(r A, clip(r, 1 - clip_low, 1 + clip_high) A): no gain from moving r past the clip range."""
@@ -53,7 +60,7 @@ class NoCorrection:
 
     def __call__(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
                  prox_logp: torch.Tensor | None = None) -> Surrogate:
-        ratio = torch.exp(logp - behaviour_logp)
+        ratio = torch.exp(torch.clamp(logp - behaviour_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         surr = clipped_surrogate(ratio, adv, self.clip_low, self.clip_high)
         return Surrogate(surr=surr, ratio=ratio.detach(), clipped=_outside(ratio.detach(), self.clip_low, self.clip_high),
                          truncated=torch.zeros_like(adv, dtype=torch.bool), weight=None)

@@ -32,13 +32,14 @@ from learner.hub import staleness as st
 from learner.plan import Plan
 from learner.train.advantages import GroupAdvantage, make_advantage
 from learner.train.attention.varlen import disable_cudnn_sdpa
-from learner.train.batch import TokenBatch, group_samples
+from learner.train.batch import TokenBatch, check_batch, group_samples
 from learner.train.distributed import Topology
 from learner.train.layout import attention_implementation, micro_batch_layout
 from learner.train.losses import make_policy_loss, value_loss
 from learner.train.scoring import install_scoring_head, score_tokens
 from learner.train.sequence_parallel import SequenceShard
 from learner.train.shard import Share, split_rollout_batch
+from learner.train.step_check import StepWatch
 from protocol.config import Config, ConfigError, TrainConfig
 from protocol.messages import RolloutGroup
 
@@ -114,10 +115,17 @@ class UpdateStats:
     clip_frac: float
     grad_norm: float  # of the last optimizer step
     extra: dict[str, float]  # namespaced extras: kl, entropy, value loss, importance weights
+    applied_steps: int  # optimizer steps that changed the weights (S unless DeepSpeed skipped some): the version's advance
+    failed_steps: list[int]  # steps skipped or with a non-finite loss or gradient norm (learner/train/step_check.py)
 
 
-def make_shares(cfg: Config, groups: list[RolloutGroup], version: int, max_staleness: int, dp_size: int) -> tuple[list[Share], torch.Tensor]:
-    """Rank 0: group-level advantages, then the samples cut into one share per DP rank, and into micro-batches."""
+def make_shares(cfg: Config, groups: list[RolloutGroup], version: int, max_staleness: int, dp_size: int,
+                vocab_size: int | None = None) -> tuple[list[Share], torch.Tensor]:
+    """Rank 0: group-level advantages, then the samples cut into one share per DP rank, and into micro-batches.
+
+    Raises InvalidBatch (learner/train/batch.py) for groups no model could train on, before anything reaches
+    another rank: token ids outside [0, vocab_size), non-finite or positive logprobs, non-finite rewards."""
+    check_batch(groups, vocab_size)
     rewards = torch.from_numpy(np.stack([g.rewards for g in groups]).astype(np.float32))
     unit = make_advantage(cfg.algo)
     # Group advantages need the whole group, so rank 0 computes them; GAE is per sample and runs on each rank.
@@ -148,6 +156,7 @@ class Trainer:
         self.head = install_scoring_head(model)
         if cfg.train.gradient_checkpointing:
             _checkpoint_layers(model)
+        self.vocab_size = embedding_rows(model)  # read before DeepSpeed: ZeRO-3 leaves empty placeholders
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=deepspeed_config(cfg, layout, cfg.train.lr, topo.device.type == "cuda"), mpu=topo.mpu)
@@ -245,6 +254,7 @@ class Trainer:
         scale = float(self.topo.dp_size)
         self.engine.train()
         steps_before = self.engine.global_steps
+        watch = StepWatch(self.engine, steps, self.topo.device)
         sums = torch.zeros(len(_DEVICE_SUMS), dtype=torch.float64, device=self.topo.device)
         for epoch in range(self.layout.ppo_epochs):
             for j in range(self.layout.mini_batches):
@@ -254,12 +264,17 @@ class Trainer:
                     for engine in (self.engine, self.critic):
                         if engine is not None:
                             engine.set_gradient_accumulation_boundary(i == last)
-                    sums += self._micro_step(mb, extra, share.mini_batch_tokens[j], scale, first_step=epoch == 0 and j == 0)
+                    row = self._micro_step(mb, extra, share.mini_batch_tokens[j], scale, first_step=epoch == 0 and j == 0)
+                    watch.note_loss(epoch * self.layout.mini_batches + j, row[_DEVICE_SUMS.index("loss")])
+                    sums += row
+                watch.stepped()
         assert self.engine.global_steps == steps_before + steps, "DeepSpeed did not take exactly S optimizer steps"
-        sums = torch.cat([torch.from_numpy(host).to(sums.device), sums])
+        sums = torch.cat([torch.from_numpy(host).to(sums.device), sums, watch.loss_flags])
         if self.topo.world > 1:
             dist.all_reduce(sums)
-        total: dict[str, float] = dict(zip(_HOST_SUMS + _DEVICE_SUMS, sums.tolist(), strict=True))
+        reduced = sums.tolist()
+        outcome = watch.settle(reduced[-steps:])  # the same on every rank; raises NonFiniteStep for corrupted weights
+        total: dict[str, float] = dict(zip(_HOST_SUMS + _DEVICE_SUMS, reduced[:-steps], strict=True))
         tokens, on_policy = total["tokens"], total["on_policy"]
         grad_norm = self.engine.get_global_grad_norm()
         metrics = {k: total[k] / tokens for k in ("loss/kl", "loss/entropy", "loss/iw_mean", "loss/value_clip_frac") if tokens}
@@ -271,7 +286,7 @@ class Trainer:
             packing_efficiency=total["useful"] / total["processed"] if total["processed"] else float("nan"),
             padded_efficiency=total["useful"] / total["padded"] if total["padded"] else float("nan"),
             clip_frac=total["clipped"] / tokens if tokens else 0.0, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            extra=metrics)
+            extra=metrics, applied_steps=outcome.applied, failed_steps=outcome.failed)
 
     @torch.no_grad()
     def _prepare(self, mb: TokenBatch) -> dict[str, torch.Tensor]:
@@ -350,6 +365,14 @@ class Trainer:
             row.update({"loss/value": v.loss.detach(), "loss/value_clip_frac": v.clip_frac * n})
         zero = torch.zeros((), dtype=torch.float64, device=dev)
         return torch.stack([row[k].double() if k in row else zero for k in _DEVICE_SUMS])
+
+
+def embedding_rows(model: torch.nn.Module) -> int:
+    """The token ids the model can take and score: its input embedding's rows (the output head's, if fewer).
+    Often above len(tokenizer) (padded to a multiple of 64 or 128); an id in between is still embeddable."""
+    rows = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    return min(rows, head.out_features) if isinstance(head, torch.nn.Linear) else int(rows)
 
 
 def _checkpoint_layers(model: torch.nn.Module) -> None:

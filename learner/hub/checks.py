@@ -1,0 +1,72 @@
+"""What a rollout group must satisfy before the hub admits it: only what the model and the grant allow.
+
+    (group, the prompt the hub granted, GroupLimits) --check_group--> None | Refusal(reason, detail)
+
+The decoder already refused malformed groups (shapes, dtypes, NaN or inf: RolloutGroup.check); these are
+the values a well-formed group from a broken or hostile actor can still carry, each of which crashed or
+silently corrupted a learner before it was checked. Reasons (the hub counts each as hub/rejected_<reason>):
+
+    prompt   its prompt tokens are not the ones the hub granted: the hub never trains a prompt it did not hand out
+    length   a completion of 0 tokens or of more than rollout.max_tokens: the engine produces 1..max_tokens
+             (even an immediate end-of-sequence is one token)
+    token    a completion token id outside [0, vocabulary): the embedding has no such row (an IndexError on a
+             CPU, a device-side assert on a GPU, which poisons the CUDA context for good)
+    logprob  a behaviour logprob above 0, or below rollout.min_logprob (see there: a sampled token that
+             unlikely is, for every practical purpose, never sampled)
+    reward   a reward beyond +-rollout.reward_bound: float32 rewards near 3e38 overflowed the advantages
+
+The hub adds its own reasons from its state: `grant` (the prompt is not this actor's), `size` (not
+rollout.samples_per_prompt completions), `ahead` (weights this learner never had).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocol import messages as m
+from protocol.config import Config
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLimits:
+    vocab_size: int | None  # rows of the model's embedding; None: not checked (a hub that trains nothing: tests, benches)
+    max_tokens: int  # rollout.max_tokens
+    min_logprob: float  # rollout.min_logprob
+    reward_bound: float  # rollout.reward_bound
+
+    @classmethod
+    def of(cls, cfg: Config, vocab_size: int | None) -> GroupLimits:
+        return cls(vocab_size=vocab_size, max_tokens=cfg.rollout.max_tokens, min_logprob=cfg.rollout.min_logprob,
+                   reward_bound=cfg.rollout.reward_bound)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: str  # one word: the counter hub/rejected_<reason>
+    detail: str  # for the actor's Error and the log: names the check and the offending value
+
+
+def check_group(group: m.RolloutGroup, granted: np.ndarray, limits: GroupLimits) -> Refusal | None:
+    """None when `group` may be admitted; otherwise the first check it fails. `granted`: the prompt's tokens."""
+    if not np.array_equal(group.prompt_tokens, granted):
+        return Refusal("prompt", f"prompt_tokens ({len(group.prompt_tokens)} tokens) differ from the granted prompt "
+                                 f"({len(granted)} tokens)")
+    lengths = group.lengths
+    if lengths.min() < 1 or lengths.max() > limits.max_tokens:
+        return Refusal("length", f"completion lengths {int(lengths.min())}..{int(lengths.max())} outside "
+                                 f"1..{limits.max_tokens} (rollout.max_tokens)")
+    tokens = group.completion_tokens
+    if limits.vocab_size is not None and (tokens.min() < 0 or tokens.max() >= limits.vocab_size):
+        return Refusal("token", f"completion token ids {int(tokens.min())}..{int(tokens.max())} outside the model's "
+                                f"vocabulary 0..{limits.vocab_size - 1}")
+    logprobs = group.behaviour_logprobs
+    if logprobs.max() > 0 or logprobs.min() < limits.min_logprob:
+        return Refusal("logprob", f"behaviour logprobs {float(logprobs.min()):.4g}..{float(logprobs.max()):.4g} outside "
+                                  f"[{limits.min_logprob:g}, 0] (rollout.min_logprob)")
+    rewards = group.rewards
+    if np.abs(rewards).max() > limits.reward_bound:
+        return Refusal("reward", f"reward {float(rewards[np.abs(rewards).argmax()]):.4g} beyond +-{limits.reward_bound:g} "
+                                 "(rollout.reward_bound)")
+    return None

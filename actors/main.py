@@ -304,8 +304,8 @@ class Actor:
                 self.log.info("actor.shutdown_requested", reason=msg.reason)
                 self.stop.set()
             elif isinstance(msg, m.Error):
-                if msg.code == "id_taken":  # final: another node holds this id under its own key
-                    self.log.error("actor.id_taken", actor=self.actor_id, detail=msg.detail)
+                if msg.code in ("id_taken", "quarantined"):  # final: another node holds this id, or the hub shut us out
+                    self.log.error(f"actor.{msg.code}", actor=self.actor_id, detail=msg.detail)
                     self.exit_code = 1
                     self.stop.set()
                     return

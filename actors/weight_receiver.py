@@ -110,12 +110,12 @@ class WeightReceiver:
         control.set(joined_key(epoch, sync["rank"]), "1")
         bind = local_addr_towards(host, port)
 
-        def build() -> dist.ProcessGroup:
+        def build(made: Callable[[dist.ProcessGroup], None]) -> dist.ProcessGroup:
             # Its own store client: gloo's rendezvous blocks in `get` while a member is missing, holding the client.
             store = wg.open_store(host, port, is_master=False, timeout_s=sync["timeout_s"])
-            return wg.open_group(store, bind, epoch, sync["rank"], sync["world_size"], sync["timeout_s"], backend, device)
+            return wg.open_group(store, bind, epoch, sync["rank"], sync["world_size"], sync["timeout_s"], backend, device, made)
 
-        self.group = waits.call(build, "join")
+        self.group = waits.build(build, lambda group: wg.close_group(group, backend))
         self.joined, self.backend = (host, port, epoch), backend
         return self.group
 

@@ -14,8 +14,9 @@ So nothing here waits inside gloo or on a shared store client:
   `should_abort` every `poll_s`; an aborted operation is abandoned, not cancelled.
   gloo finishes it (or times it out) on its own thread, so the group and the tensor
   stay referenced in a `Graveyard` until then: neither may be reused meanwhile;
-- a blocking call (building a group: gloo's rendezvous) runs on a helper thread
-  with its own store client, and is abandoned the same way.
+- a blocking call (building a group: gloo's rendezvous, NCCL's communicator init) runs on a
+  helper thread with its own store client, and is abandoned the same way (`Abortable.build`
+  aborts an NCCL group it made meanwhile).
 
 How NCCL differs (read from torch's ProcessGroupNCCL; not run on this machine):
 - its Work's future is marked done when the kernel is enqueued, not when it has run (torch
@@ -27,7 +28,10 @@ How NCCL differs (read from torch's ProcessGroupNCCL; not run on this machine):
 - `abort()` works (ncclCommAbort): the stuck kernel ends, the event completes, the helper
   thread returns. An abandoned NCCL broadcast is aborted, where gloo's is left to time out;
 - a group that fails a collective would take the whole process down from torch's watchdog
-  thread by default; protocol/weights.py builds ours so that it fails the work instead.
+  thread by default; protocol/weights.py builds ours so that it fails the work instead;
+- a communicator init (ncclCommInitRank, blocking) waits for every rank, for as long as NCCL's
+  bootstrap allows. Given up, its group is aborted (`Abortable.build`), which frees what torch
+  registered of it; the init's own thread may stay blocked until NCCL gives up, holding the group.
 
 Each group epoch has two keys of our own in the store, beside gloo's:
   joined/<rank>  set by a member just before it builds the group: rank 0 can name who never came;
@@ -141,7 +145,7 @@ class Abortable:
         """`fn()` on a helper thread; raises Aborted (abandoning the thread) or whatever fn raised.
 
         Abandoned is all: an NCCL rendezvous (ncclCommInitRank) stays blocked on its thread until NCCL's
-        own bootstrap gives up, since the group it is building is not ours to abort yet.
+        own bootstrap gives up; `build` also aborts the group it is connecting.
         """
         box: dict[str, Any] = {}
         done = threading.Event()
@@ -159,6 +163,40 @@ class Abortable:
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    def build(self, make: Callable[[Callable[[Any], None]], T], drop: Callable[[Any], None], what: str = "join") -> T:
+        """`make(made)` abandonably, as `call` runs it; `make` hands `made` each object an abandoned join must
+        release at once, and `drop` releases it (an NCCL group whose communicator is still connecting: its abort,
+        which is local, frees what torch has registered of it instead of leaving it to NCCL's bootstrap)."""
+        made = _Made(drop)
+        try:
+            return self.call(lambda: make(made), what)
+        except Aborted:
+            made.abandon()
+            raise
+
+
+class _Made:
+    """What a join made so far; once it is abandoned, whatever it still makes is dropped as it appears."""
+
+    def __init__(self, drop: Callable[[Any], None]):
+        self._drop = drop
+        self._lock = threading.Lock()
+        self._made: list[Any] = []
+        self._abandoned = False
+
+    def __call__(self, thing: Any) -> None:
+        with self._lock:
+            if not self._abandoned:
+                self._made.append(thing)
+                return
+        self._drop(thing)
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned, made, self._made = True, self._made, []
+        for thing in made:
+            self._drop(thing)
 
 
 def _set_when_ran(ran: torch.cuda.Event, device: torch.device, done: threading.Event) -> None:

@@ -180,6 +180,9 @@ class WeightsConfig:
     port: int = 0  # rendezvous port; 0 picks a free one
     bucket_mb: int = 32  # flat bucket size for the broadcast
     timeout_s: float = 120.0  # a broadcast blocked this long (dead member) fails
+    # Joining a new group epoch, from its WeightSyncs to the group connected (gloo's rendezvous, NCCL's communicator
+    # init: seconds for a large NCCL group). A member that misses it is evicted and the epoch re-formed without it.
+    join_timeout_s: float = 10.0
     # ZeRO-3: where learner rank 0 keeps the full weights it serves between syncs. "device": its GPU, sent from
     # there; "host": pinned host memory, copied to the GPU a bucket at a time to send (for models whose full
     # weights do not fit beside training: 32B in bf16 is 64 GB). `fleetrl plan` counts the "device" copy.
@@ -421,6 +424,7 @@ def _check(cfg: Config) -> None:
     need(cfg.hub.quarantine_window_s > 0, "hub.quarantine_window_s", "must be > 0")
     need(cfg.hub.quarantine_s > 0, "hub.quarantine_s", "must be > 0")
     need(cfg.weights.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
+    need(cfg.weights.join_timeout_s > 0, "weights.join_timeout_s", "must be > 0")
     need(cfg.weights.snapshot in ("device", "host"), "weights.snapshot", f"{cfg.weights.snapshot!r} must be device or host")
     _check_auth(cfg, need)
     need(cfg.actor.max_model_len > cfg.rollout.max_tokens, "actor.max_model_len", "must exceed rollout.max_tokens")

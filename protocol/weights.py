@@ -168,17 +168,19 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def open_group(
     store: dist.Store, bind_host: str, epoch: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo",
-    device: torch.device | None = None,
+    device: torch.device | None = None, made: Callable[[dist.ProcessGroup], None] | None = None,
 ) -> dist.ProcessGroup:
     """Join weight-group `epoch`: gloo bound to `bind_host` (this side's own address), or NCCL on `device`.
 
-    Blocks until all `world_size` members have joined, or raises after the timeout.
+    Blocks until all `world_size` members have joined, or raises after the timeout. `made(group)` is told
+    of an NCCL group as soon as it exists, before its communicator connects, so that a caller that stops
+    waiting can abort it (protocol/abortable.py's `Abortable.build`); gloo's group exists only once connected.
     """
     prefixed = dist.PrefixStore(f"fleetrl-weights/epoch-{epoch}", store)
     timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
         assert device is not None and device.type == "cuda", f"NCCL weight group on {device}"
-        return _nccl_group(prefixed, rank, world_size, timeout, device)
+        return _nccl_group(prefixed, rank, world_size, timeout, device, made)
     # _Options is private torch API, but the only way to bind gloo to one address without env vars.
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
@@ -187,36 +189,51 @@ def open_group(
     return typing.cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefixed, rank, world_size, opts))
 
 
-_NCCL_ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+# What ProcessGroupNCCL's constructor reads from the environment, and what ours must have.
+_NCCL_ENV = {
+    # torch's default (3) has the group's watchdog thread take the whole process down when a collective times
+    # out or NCCL reports a remote error: one member dying mid-broadcast would kill the learner and every other
+    # member. 2 (CleanUpOnly) aborts the communicator and fails the work instead, which protocol/abortable.py
+    # turns into a given-up epoch.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # 1 (set for DeepSpeed's groups, say) would make Work.wait() block the calling thread until the broadcast
+    # has run or timed out: the serving thread would wait out weights.timeout_s for a dead member instead of
+    # polling for its removal. protocol/abortable.py waits on a CUDA event instead.
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+}
 _env_lock = threading.Lock()
 
 
-def _nccl_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta, device: torch.device) -> dist.ProcessGroup:
+def _nccl_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta, device: torch.device,
+                made: Callable[[dist.ProcessGroup], None] | None) -> dist.ProcessGroup:
     """An NCCL group that fails its operations instead of killing the process, connected before it returns.
 
-    ProcessGroupNCCL reads its error handling from the environment in its constructor. torch's
-    default (3) has the group's watchdog thread take the whole process down when a collective
-    times out or NCCL reports a remote error: one member dying mid-broadcast would kill the
-    learner and every other member. 2 (CleanUpOnly) aborts the communicator and fails the work
-    instead, which protocol/abortable.py turns into a given-up epoch. It is set only around this
-    constructor, so the process's other groups (DeepSpeed's, vLLM's) keep theirs; the lock keeps
-    two of ours from interleaving (setenv racing a getenv on another thread is the residual risk).
+    The environment it needs (_NCCL_ENV) is set only around the constructor, so the process's other groups
+    (DeepSpeed's, vLLM's) keep theirs; the lock keeps two of ours from interleaving (setenv racing a getenv
+    on another thread is the residual risk).
     """
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     with _env_lock:
-        before = os.environ.get(_NCCL_ERRORS)
-        os.environ[_NCCL_ERRORS] = "2"
+        before = {k: os.environ.get(k) for k in _NCCL_ENV}
+        os.environ.update(_NCCL_ENV)
         try:
             group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         finally:
-            if before is None:
-                del os.environ[_NCCL_ERRORS]
-            else:
-                os.environ[_NCCL_ERRORS] = before
+            for k, v in before.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+    if made is not None:
+        made(typing.cast(dist.ProcessGroup, group))
     # NCCL connects lazily, at the first collective, inside the broadcast call where no abort can reach it.
-    # Connecting here instead puts that wait (every rank's ncclCommInitRank) on the caller's join thread,
-    # which protocol/abortable.py can abandon like gloo's rendezvous.
+    # Connecting here instead puts that wait (every rank's ncclCommInitRank) on the caller's join thread, which
+    # protocol/abortable.py can abandon like gloo's rendezvous. The init is blocking (torch's default): a
+    # communicator torch has not yet registered cannot be aborted, so an abandoned init keeps its thread until
+    # NCCL's bootstrap gives up; `made` lets the caller abort whatever torch has registered by then. (Non-blocking
+    # init, which abort() could end, is not used: eager connect in that mode returns before the communicator is
+    # ready, and the first broadcast would then wait for it where nothing can abort it.)
     group.eager_connect_single_device(device)
     return typing.cast(dist.ProcessGroup, group)
 

@@ -1,20 +1,25 @@
 """Learner rank 0's side of the weight group: serve each version to every live actor, through joins and deaths.
 
     sync(v) ----> serving thread for v (lives while the parameters hold v) -----------------------+
-                    attempt: the live actors that lack v -> their group epoch (the last group if   |
-                    it is exactly them, else a new one) -> WeightSync to each -> joins -> buckets  |
+                    attempt: live actors that lack v (regular members first, those on probation    |
+                    after) -> their group epoch (the last group if it is exactly them, else a new  |
+                    one) -> WeightSync to each -> joins (weights.join_timeout_s) -> buckets        |
                     ok: they hold v.  failed: give the epoch up, retry with whoever is still live  |
                     then sleep until an actor registers (it gets v now), one is removed, or stop   |
     next sync(v') / the optimizer step (guard) -> stop: an attempt in flight finishes first ------+
 
 Elastic membership. Each membership is a numbered group epoch with its own store prefix; a
 newcomer is sent the current version at once, in an epoch of its own (the others keep serving),
-and the next sync forms an epoch of everyone. A member that dies is removed by the hub (its
-connection closed: at once; silent: after hub.actor_timeout_s), which tells this sender; an
-attempt it was part of is given up (store key `abort`, so the other members stop waiting too,
-protocol/abortable.py) and retried without it. A member that never joins an epoch within
-weights.timeout_s is evicted from the hub. Nothing waits inside gloo, so neither the learner nor
-the survivors wait for a dead member's timeout (tests/test_weight_death.py).
+and once it has joined one, the next sync forms an epoch of everyone. A member that dies is
+removed by the hub (its connection closed: at once; silent: after hub.actor_timeout_s), which
+tells this sender; an attempt it was part of is given up (store key `abort`, so the other members
+stop waiting too, protocol/abortable.py) and retried without it. Joining a new epoch has a deadline
+of its own, weights.join_timeout_s: a member that has not set its joined key by then is evicted
+from the hub and the epoch re-formed at once without it; learner/weights/membership.py keeps
+newcomers and members that failed a join out of the sync's own epoch until they have joined one,
+so such a member holds the training up once at most (tests/test_weight_join.py). Nothing waits
+inside gloo, so neither the learner nor the survivors wait for a dead member's timeout
+(tests/test_weight_death.py).
 
 Where the bytes come from (see learner/weights/buckets.py):
 - ZeRO-3 (parameters sharded over the learner ranks): `sync` is given a `snapshot` that
@@ -50,6 +55,7 @@ import torch.distributed as dist
 
 from learner.hub.server import Hub
 from learner.weights.buckets import Buckets, Staging
+from learner.weights.membership import Membership
 from protocol import messages as m
 from protocol import weights as wg
 from protocol.abortable import Abortable, Aborted, Graveyard, abort_key, joined_key
@@ -79,6 +85,11 @@ class Attempt:
     new_group: bool  # the epoch is new: members join before the broadcast
     gens: dict[str, int]  # each member's registration count when the attempt began (a re-registered one lacks v)
     catchup: bool = False  # not the sync's own attempt: a stop (the optimizer step) gives it up instead of waiting for it
+    joins_by: float = 0.0  # new epoch: when every member must have joined (monotonic clock; WeightSyncs sent + join_timeout_s)
+    # Members on probation (learner/weights/membership.py): their epoch's group is used for this attempt only, and
+    # the sender's group (the everyone epoch, reused by the next sync) is kept meanwhile.
+    side: bool = False
+    side_group: dist.ProcessGroup | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,9 +128,10 @@ class WeightSender:
         self.port = self.store.port
         # Our own client for the joined/abort keys: gloo's rendezvous blocks in `get` holding a client's lock.
         self.control = wg.open_store(cfg.host, self.port, is_master=False, timeout_s=cfg.timeout_s)
-        self.epoch = 0
+        self.epoch = 0  # the last epoch number given out
         self.members: list[str] = []  # of `group`
         self.group: dist.ProcessGroup | None = None
+        self.group_epoch = 0  # of `group` (epochs of probation members' own come and go beside it)
         self.plan: wg.GroupPlan | None = None  # of `group`
         self.graveyard = Graveyard()
         self._hub: Hub | None = None
@@ -131,6 +143,7 @@ class WeightSender:
         self._holds: dict[str, int] = {}  # actor -> the version it was given (this registration)
         self._gens: Counter[str] = Counter()  # registrations and removals seen per actor id
         self._group_stale = False  # a member of `group` left or re-registered: the next attempt needs a new epoch
+        self.membership = Membership()  # who is on probation (kept out of the sync's own epoch)
         self._attempt: Attempt | None = None
         self._abort_why: str | None = None  # set when a member of the attempt in flight is removed
         self._serving: Serving | None = None
@@ -187,13 +200,17 @@ class WeightSender:
         if self._stream is not None:  # the serving stream starts after everything the training stream wrote so far
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(self.device))
-        members = hub.live_actors()
+        live = hub.live_actors()
+        with self._lock:  # those on probation are served after, by the serving thread, in epochs of their own
+            members = self.membership.regular(live)
+            self.membership.serving = True
         self._serving = Serving(version=version)
         first = self._begin(version, members) if members else None  # WeightSync goes out before sync returns
         self._stop.clear()
         self._thread = threading.Thread(target=self._serve, args=(version, flats, first), name="fleetrl-weights", daemon=True)
         self._thread.start()
-        out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": float(len(members))})
+        out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": float(len(members)),
+                    "weights/probation": float(len(live) - len(members))})
         return out
 
     def start(self, version: int, hub: Hub, snapshot: Snapshot | None = None) -> None:
@@ -253,6 +270,10 @@ class WeightSender:
         with self._lock:
             self._gens[actor_id] += 1
             self._holds.pop(actor_id, None)
+            if joined:
+                self.membership.registered(actor_id)
+            else:
+                self.membership.removed(actor_id)
             if actor_id in self.members:
                 self._group_stale = True
             att = self._attempt
@@ -290,7 +311,7 @@ class WeightSender:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            need = self._lacking(version)
+            need = self._next_members(version)
             wait_s = retry_at - time.monotonic()
             if need and wait_s <= 0:
                 try:
@@ -305,11 +326,13 @@ class WeightSender:
             if self._wake.wait(wait_s if need else None):
                 retry_at = 0.0  # membership changed (the hub removed someone): retry now
 
-    def _lacking(self, version: int) -> list[str]:
+    def _next_members(self, version: int) -> list[str]:
+        """Whom to serve `version` next: the live actors that lack it, regular members before those on probation."""
         assert self._hub is not None
         live = self._hub.live_actors()
         with self._lock:
-            return [a for a in live if self._holds.get(a) != version]
+            lacking = [a for a in live if self._holds.get(a) != version]
+            return self.membership.next_group(lacking) if lacking else []
 
     def _begin(self, version: int, members: list[str], catchup: bool = False) -> Attempt:
         """Pick the group epoch for `members` and send each its WeightSync."""
@@ -317,10 +340,15 @@ class WeightSender:
         devices = self._hub.devices(members)  # before the lock: never held while calling the hub
         old: tuple[dist.ProcessGroup, str] | None = None  # closed after the lock: NCCL's abort can take a while
         with self._lock:
-            reuse = self.group is not None and not self._group_stale and members == self.members and self.plan is not None
+            side = any(a in self.membership.probation for a in members)
+            reuse = not side and self.group is not None and not self._group_stale and members == self.members and self.plan is not None
             if reuse:
                 assert self.plan is not None
-                plan = self.plan
+                plan, epoch = self.plan, self.group_epoch
+            elif side:
+                plan = wg.plan_group(self.identity, list(zip(members, devices, strict=True)))
+                self.epoch += 1
+                epoch = self.epoch
             else:
                 # The old group has nothing in flight (a failed attempt already dropped it): it can go.
                 if self.group is not None and self.plan is not None:
@@ -328,14 +356,15 @@ class WeightSender:
                 plan = wg.plan_group(self.identity, list(zip(members, devices, strict=True)))
                 self.group, self.members, self.plan, self._group_stale = None, list(members), plan, False
                 self.epoch += 1
-            att = Attempt(version=version, epoch=self.epoch, members=list(members), plan=plan, new_group=not reuse,
-                          gens={a: self._gens[a] for a in members}, catchup=catchup)
+                epoch = self.group_epoch = self.epoch
+            att = Attempt(version=version, epoch=epoch, members=list(members), plan=plan, new_group=not reuse,
+                          gens={a: self._gens[a] for a in members}, catchup=catchup, side=side)
             self._attempt, self._abort_why = att, None
         if old is not None:
             wg.close_group(*old)
         if att.new_group:
             self.log.info("weights.new_group_epoch", epoch=att.epoch, members=att.members, version=version,
-                          backend=plan.backend, world_size=plan.world_size)
+                          backend=plan.backend, world_size=plan.world_size, probation=side)
             if plan.fallback:
                 self.log.warning("weights.gloo_fallback", epoch=att.epoch, why=plan.fallback,
                                  how="each bucket goes GPU -> pinned host memory -> gloo -> the members' GPUs")
@@ -349,6 +378,7 @@ class WeightSender:
                 names=self.names, shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
 
         self._hub.send_weight_sync(members, make)
+        att.joins_by = time.monotonic() + self.cfg.join_timeout_s
         gone = set(members) - set(self._hub.live_actors())  # removed before the attempt was registered above
         if gone:
             with self._lock:
@@ -368,9 +398,7 @@ class WeightSender:
                 group = self.group
                 if att.new_group:
                     self._await_joins(att)
-                    group = waits.call(lambda: self._build(att), "join")
-                    with self._lock:
-                        self.group = group
+                    group = self._connect(att)
                 assert group is not None
                 on = wg.group_device(att.plan.backend, self.device)
 
@@ -383,6 +411,9 @@ class WeightSender:
                         send(group, flat)
                 else:
                     self.buckets.send(group, flats, bcast=send)  # guarded (flats None): the step waits for this thread
+            if att.side_group is not None:  # the members join the everyone epoch at the next sync
+                wg.close_group(att.side_group, att.plan.backend)
+                att.side_group = None
         except RuntimeError as e:  # Aborted; gloo's DistBackendError (a peer closed, a timeout)
             self._give_up(att, e, time.perf_counter() - t0)
             return False
@@ -404,25 +435,52 @@ class WeightSender:
         return True
 
     def _await_joins(self, att: Attempt) -> None:
-        """Until every member has set its joined key; a member that never does is evicted from the hub."""
+        """Until every member has set its joined key; one that has not by att.joins_by is evicted from the hub,
+        which gives the attempt up: the serving loop re-forms the epoch at once without it."""
         assert self._hub is not None
         plan = att.plan
         keys = {a: [joined_key(att.epoch, r) for r in range(plan.first[k], plan.first[k] + plan.counts[k])]
                 for k, a in enumerate(att.members)}  # one per rank: each engine worker joins on its own
         every = [key for ks in keys.values() for key in ks]
-        deadline = time.monotonic() + self.cfg.timeout_s
         while not self.control.check(every):
             if (why := self._why_abort(att)) is not None:
                 raise Aborted(why)
-            if time.monotonic() > deadline:
+            if time.monotonic() > att.joins_by:
                 missing = [a for a, ks in keys.items() if not self.control.check(ks)]
-                why = f"did not join weight group epoch {att.epoch} within weights.timeout_s = {self.cfg.timeout_s} s"
+                why = f"did not join weight group epoch {att.epoch} within weights.join_timeout_s = {self.cfg.join_timeout_s} s"
                 with self._lock:  # only the registration it was sent to: one that came back since is not to blame
                     stale = [a for a in missing if self._gens[a] == att.gens[a]]
                 for a in stale:
                     self._hub.evict(a, why)
                 raise Aborted(f"{missing} {why}")
             time.sleep(JOIN_POLL_S)
+
+    def _connect(self, att: Attempt) -> dist.ProcessGroup:
+        """Build the epoch's group (every member said it joined) by att.joins_by. A group that does not connect
+        in time names no culprit: learner/weights/membership.py decides who is tried apart, or evicted."""
+        assert self._hub is not None
+        waits = Abortable(should_abort=lambda: self._why_abort(att), timeout_s=max(0.0, att.joins_by - time.monotonic()),
+                          graveyard=self.graveyard, poll_s=POLL_S)
+        try:
+            group = waits.build(lambda made: self._build(att, made), lambda g: wg.close_group(g, att.plan.backend))
+        except Aborted:
+            if self._why_abort(att) is None:  # the deadline, not a removal or a stop
+                with self._lock:
+                    current = [a for a in att.members if self._gens[a] == att.gens[a]]
+                    evict = self.membership.connect_failed(current)
+                why = f"weight group epoch {att.epoch} did not connect within weights.join_timeout_s = {self.cfg.join_timeout_s} s"
+                self.log.warning("weights.connect_failed", epoch=att.epoch, members=att.members, evicted=evict,
+                                 backend=att.plan.backend)
+                for a in evict:
+                    self._hub.evict(a, why + " (its only member: nobody else to blame)")
+            raise
+        with self._lock:
+            if att.side:
+                att.side_group = group
+            else:
+                self.group = group
+            self.membership.joined([a for a in att.members if self._gens[a] == att.gens[a]])
+        return group
 
     def _why_abort(self, att: Attempt) -> str | None:
         """Why the attempt in flight must end now: a member was removed, or (a catch-up only) the sender is
@@ -433,19 +491,22 @@ class WeightSender:
             return "the sender stopped serving this version (the next update has begun)"
         return None
 
-    def _build(self, att: Attempt) -> dist.ProcessGroup:
+    def _build(self, att: Attempt, made: Callable[[dist.ProcessGroup], None]) -> dist.ProcessGroup:
         # A store client of its own: an abandoned rendezvous keeps blocking in it until its timeout.
         store = wg.open_store(self.cfg.host, self.port, is_master=False, timeout_s=self.cfg.timeout_s)
         backend = att.plan.backend
         return wg.open_group(store, self.cfg.host, att.epoch, 0, att.plan.world_size, self.cfg.timeout_s, backend,
-                             wg.group_device(backend, self.device))
+                             wg.group_device(backend, self.device), made)
 
     def _give_up(self, att: Attempt, error: RuntimeError, elapsed: float) -> None:
         """Tell the members the epoch is over (before returning: the optimizer may write the parameters next)."""
         assert self._serving is not None
         self.control.set(abort_key(att.epoch), str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
         with self._lock:  # the hub thread takes this lock: NCCL's abort (close_group) waits until it is released
-            dead, self.group, self.members, self.plan = self.group, None, [], None  # an operation in flight lives on in the graveyard
+            if att.side:  # the everyone epoch was not part of it
+                dead, att.side_group = att.side_group, None
+            else:
+                dead, self.group, self.members, self.plan = self.group, None, [], None  # an operation in flight lives on in the graveyard
         if dead is not None:
             wg.close_group(dead, att.plan.backend)
         self._staging.drop()  # an abandoned gloo send may still read it: the next epoch stages into fresh memory

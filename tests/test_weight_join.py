@@ -209,6 +209,31 @@ def test_a_newcomer_that_never_joins_holds_nobody_up(learner):
     print(f"a newcomer that never joins: step delays {[round(d, 2) for d in delays]} s; weights.join_timeout_s {JOIN_S}")
 
 
+def test_a_newcomer_is_evicted_at_its_deadline_when_steps_are_shorter_than_it(learner):
+    """Each optimizer step ends a newcomer's catch-up early. With steps shorter than weights.join_timeout_s, a
+    deadline counted per attempt was never reached: the silent member stayed, and was sent a new epoch at every
+    step. The deadline counts from its first attempt, so it is evicted after join_timeout_s all the same."""
+    addr, hub, sender, params, opt, members = learner
+    a = Member(addr, "a")
+    members.append(a)
+    wait_live(hub, ["a"])
+    step(opt, params)
+    sender.sync(1, hub)
+    served([a], 1, timeout=QUICK_S + SLACK_S)
+    silent = Member(addr, "silent", "--silent")
+    members.append(silent)
+    silent.expect("ignored", version=1)
+    t0, version = time.monotonic(), 1
+    while hub.snapshot().get("hub/actors_evicted", 0) < 1:
+        assert time.monotonic() - t0 < JOIN_S + 3 * SLACK_S, "never evicted: every catch-up was cut short before its deadline"
+        version += 1
+        step(opt, params)  # ends the newcomer's catch-up in flight
+        sender.sync(version, hub)
+        served([a], version, timeout=QUICK_S + SLACK_S)
+        time.sleep(JOIN_S / 6)
+    print(f"evicted {time.monotonic() - t0:.1f} s after its first catch-up, {version - 1} steps later")
+
+
 # ---- on a GPU: the learner's epoch with the member is NCCL --------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("learner", ["cuda"], indirect=True)

@@ -144,6 +144,10 @@ class WeightSender:
         self._gens: Counter[str] = Counter()  # registrations and removals seen per actor id
         self._group_stale = False  # a member of `group` left or re-registered: the next attempt needs a new epoch
         self.membership = Membership()  # who is on probation (kept out of the sync's own epoch)
+        # (actor, registration) -> when it must have joined: the first attempt's deadline, kept across attempts cut
+        # short (a catch-up ends when the next update begins), so a member that never joins is evicted once its
+        # join_timeout_s has passed in all, not never (a step shorter than the deadline ended every attempt early).
+        self._join_by: dict[tuple[str, int], float] = {}
         self._attempt: Attempt | None = None
         self._abort_why: str | None = None  # set when a member of the attempt in flight is removed
         self._serving: Serving | None = None
@@ -268,6 +272,7 @@ class WeightSender:
     # ---- hub thread (under the hub's lock: set flags, nothing more) -------------------------------
     def _on_membership(self, actor_id: str, joined: bool) -> None:
         with self._lock:
+            self._join_by.pop((actor_id, self._gens[actor_id]), None)  # that registration is over
             self._gens[actor_id] += 1
             self._holds.pop(actor_id, None)
             if joined:
@@ -442,17 +447,20 @@ class WeightSender:
         keys = {a: [joined_key(att.epoch, r) for r in range(plan.first[k], plan.first[k] + plan.counts[k])]
                 for k, a in enumerate(att.members)}  # one per rank: each engine worker joins on its own
         every = [key for ks in keys.values() for key in ks]
+        with self._lock:
+            by = {a: self._join_by.setdefault((a, att.gens[a]), att.joins_by) for a in att.members}
         while not self.control.check(every):
+            now = time.monotonic()
+            late = [a for a, ks in keys.items() if now > by[a] and not self.control.check(ks)]
+            if late:  # checked before a cut-short: the deadline counts across attempts
+                missed = f"did not join a weight group epoch within weights.join_timeout_s = {self.cfg.join_timeout_s} s"
+                with self._lock:  # only the registration it was sent to: one that came back since is not to blame
+                    stale = [a for a in late if self._gens[a] == att.gens[a]]
+                for a in stale:
+                    self._hub.evict(a, missed)
+                raise Aborted(f"{late} {missed} (epoch {att.epoch})")
             if (why := self._why_abort(att)) is not None:
                 raise Aborted(why)
-            if time.monotonic() > att.joins_by:
-                missing = [a for a, ks in keys.items() if not self.control.check(ks)]
-                why = f"did not join weight group epoch {att.epoch} within weights.join_timeout_s = {self.cfg.join_timeout_s} s"
-                with self._lock:  # only the registration it was sent to: one that came back since is not to blame
-                    stale = [a for a in missing if self._gens[a] == att.gens[a]]
-                for a in stale:
-                    self._hub.evict(a, why)
-                raise Aborted(f"{missing} {why}")
             time.sleep(JOIN_POLL_S)
 
     def _connect(self, att: Attempt) -> dist.ProcessGroup:
@@ -480,6 +488,8 @@ class WeightSender:
             else:
                 self.group = group
             self.membership.joined([a for a in att.members if self._gens[a] == att.gens[a]])
+            for a in att.members:
+                self._join_by.pop((a, att.gens[a]), None)
         return group
 
     def _why_abort(self, att: Attempt) -> str | None:

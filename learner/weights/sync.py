@@ -449,6 +449,13 @@ class WeightSender:
         every = [key for ks in keys.values() for key in ks]
         with self._lock:
             by = {a: self._join_by.setdefault((a, att.gens[a]), att.joins_by) for a in att.members}
+
+        def forget_joined() -> None:  # a member that set its key has shown it can join: its next attempt starts afresh
+            with self._lock:
+                for a, ks in keys.items():
+                    if self.control.check(ks):
+                        self._join_by.pop((a, att.gens[a]), None)
+
         while not self.control.check(every):
             now = time.monotonic()
             late = [a for a, ks in keys.items() if now > by[a] and not self.control.check(ks)]
@@ -460,8 +467,10 @@ class WeightSender:
                     self._hub.evict(a, missed)
                 raise Aborted(f"{late} {missed} (epoch {att.epoch})")
             if (why := self._why_abort(att)) is not None:
+                forget_joined()
                 raise Aborted(why)
             time.sleep(JOIN_POLL_S)
+        forget_joined()
 
     def _connect(self, att: Attempt) -> dist.ProcessGroup:
         """Build the epoch's group (every member said it joined) by att.joins_by. A group that does not connect
@@ -488,8 +497,6 @@ class WeightSender:
             else:
                 self.group = group
             self.membership.joined([a for a in att.members if self._gens[a] == att.gens[a]])
-            for a in att.members:
-                self._join_by.pop((a, att.gens[a]), None)
         return group
 
     def _why_abort(self, att: Attempt) -> str | None:

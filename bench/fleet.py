@@ -52,8 +52,9 @@ class Fleet:
         self.procs[name] = proc
         return proc
 
-    def start_learner(self, env: dict[str, str] | None = None, cpus: str = "") -> subprocess.Popen:
-        return self._start("learner", ["learner"], env, cpus)
+    def start_learner(self, env: dict[str, str] | None = None, cpus: str = "", resume: bool = False) -> subprocess.Popen:
+        """`resume`: `fleetrl learner --resume RUN_DIR`, from the run's last checkpoint."""
+        return self._start("learner", ["learner", *(["--resume", str(self.run_dir)] if resume else [])], env, cpus)
 
     def start_actor(self, actor_id: str, env: dict[str, str] | None = None, cpus: str = "") -> subprocess.Popen:
         return self._start(actor_id, ["actor", "--learner", self.addr, "--id", actor_id], env, cpus)

@@ -1,5 +1,5 @@
 # Every target sets itself up: a virtual environment in .venv, then the installs (once).
-# Elsewhere than this workplace, the CPU build of torch comes from PyTorch's CPU index:
+# Where pip's index has no CPU build of torch 2.13.0, take it from PyTorch's CPU index:
 #   make TORCH_INDEX=https://download.pytorch.org/whl/cpu test
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -31,8 +31,9 @@ test: $(STAMP)
 	@$(IPROUTE2)
 	$(PY) -m pytest tests -q
 
+# The unit tests alone (tests/unit: no sockets, processes or engines), in about a minute.
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -q -m "not engine"
+	$(PY) -m pytest tests/unit -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check actors learner protocol deploy bench tests
@@ -47,6 +48,7 @@ bench: $(STAMP)
 	$(PY) -m bench.late_join
 	$(PY) -m bench.sync_stall
 	$(PY) -m bench.actor_scaling
+	$(PY) -m bench.chaos
 
 clean:
 	rm -rf $(VENV) .cache runs build

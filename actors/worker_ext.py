@@ -11,10 +11,10 @@ replaced here, as `actor.cpu_gemm` (FLEETRL_CPU_GEMM, set by actors/engine.py) s
   which `load_weights` writes. Nothing to rebuild after a sync.
 - "vllm": vLLM's packed copy, but the plain parameter is kept as the source of truth
   (`remove_weight=False`) and each layer's copy is rebuilt after every load.
-The logprob-match test (tests/test_weight_sync.py) proves both.
+The logprob-match test (tests/integration/test_weight_sync.py) proves both.
 
 On CUDA (read from vLLM 0.32's gpu_worker, gpu_model_runner and multiproc executor; CUDA vLLM
-is not installed where this was written, and tests/test_weights_gpu.py runs where it is):
+is not installed where this was written, and tests/gpu/test_weights_gpu.py runs where it is):
 - every worker of an engine runs these methods: `collective_rpc` sends each RPC to all of them
   and returns their answers in worker-rank order. With tensor parallelism each worker is a rank
   of the weight group (`rank` = the WeightSync's first rank + the worker's own `self.rank`),

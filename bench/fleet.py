@@ -1,6 +1,6 @@
 """A learner and actors as separate processes, each started (and killed) on its own, their JSON logs read back.
 
-For the elastic tests (tests/test_elastic.py) and the attach, stall and scaling benchmarks: the same
+For the elastic tests (tests/integration/test_elastic.py) and the attach, stall and scaling benchmarks: the same
 commands an operator runs (`fleetrl learner`, `fleetrl actor --learner ...`), one process group each,
 so a SIGKILL takes an actor's vLLM engine processes with it, as a lost machine would.
 """

@@ -144,7 +144,7 @@ def main() -> None:
     os.environ["DS_ACCELERATOR"] = args.device  # before DeepSpeed is imported: it picks its accelerator once
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     # bf16 on the GPU, as the targets are stated; float32 on the CPU, where the two loops' first losses must
-    # agree to float32 rounding (tests/test_bench_learner_gpu.py checks that they do the same work).
+    # agree to float32 rounding (tests/integration/test_bench_learner_gpu.py checks that they do the same work).
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cpu":  # one intra-op thread, the learner's default (train.threads): on shared cores a
         torch.set_num_threads(1)  # descheduled OpenMP worker stalls every op of a tiny model

@@ -1,11 +1,11 @@
 """`fleetrl config --list`: every config field with its default and its doc, as a TOML file one can start from.
 
 `python -m deploy.config_list --markdown` renders the same listing as docs/configuration.md, so that page
-cannot drift from the code: tests/test_docs.py fails when the file differs from what this prints.
+cannot drift from the code: tests/unit/test_docs.py fails when the file differs from what this prints.
 
 The docs are the comments in protocol/config.py, read from its source: the comment after a field, or the comment
 lines right above it (a field whose doc takes several lines). The defaults come from the dataclasses themselves,
-so the listing is the config the code runs, and tests/test_cli_commands.py checks every field has a doc.
+so the listing is the config the code runs, and tests/integration/test_cli_commands.py checks every field has a doc.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ MARKDOWN_COMMAND = "python -m deploy.config_list --markdown > docs/configuration
 
 _MARKDOWN_INTRO = f"""\
 <!-- Generated from protocol/config.py by `{MARKDOWN_COMMAND}`. Do not edit by hand:
-     tests/test_docs.py fails when this file differs from what that command prints. -->
+     tests/unit/test_docs.py fails when this file differs from what that command prints. -->
 
 # Configuration
 

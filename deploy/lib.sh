@@ -1,7 +1,7 @@
 # Sourced by the deploy scripts: the checkout, its Python, and dry runs.
 #
 # FLEETRL_DRY_RUN=1 makes a script print each command it would start (one line, shell-quoted) instead of
-# starting it: a preview for operators, and how tests/test_deploy_scripts.py renders the Slurm templates.
+# starting it: a preview for operators, and how tests/integration/test_deploy_scripts.py renders the Slurm templates.
 # FLEETRL_PYTHON picks the interpreter (default: the checkout's .venv, else python3).
 fleetrl_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -n "${FLEETRL_PYTHON:-}" ]; then py="$FLEETRL_PYTHON"

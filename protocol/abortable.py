@@ -1,6 +1,6 @@
 """Weight-group waits that a dead or hung member cannot stretch to the timeout.
 
-How gloo fails (torch 2.13; tests/test_weight_death.py runs each case): a broadcast to a member that
+How gloo fails (torch 2.13; tests/integration/test_weight_death.py runs each case): a broadcast to a member that
 was SIGKILLed fails at once on the sender ("Connection closed by peer"), but the
 other receivers keep waiting for their data until `weights.timeout_s`; a member that
 is alive but stuck (SIGSTOP, a wedged worker) blocks the sender until the timeout.

@@ -106,7 +106,7 @@ def handshake_failure(event: int, value: int, server_key: str = "auth.server_key
     """Why a client's CURVE handshake with the hub failed, as far as ZeroMQ tells it, from the client socket's monitor
     event and its value; None for an event that is no handshake failure. `server_key`/`client_key` name the settings.
 
-    What a client sees (libzmq 4.3, tests/test_auth.py):
+    What a client sees (libzmq 4.3, tests/integration/test_auth.py):
     - HANDSHAKE_FAILED_AUTH, ZAP status 400: the hub's gatekeeper refused the client's public key. Final: libzmq
       does not retry it.
     - HANDSHAKE_FAILED_NO_DETAIL: the hub hung up without a word. It does when it cannot decrypt the client's
@@ -190,7 +190,7 @@ def _write(path: Path, public: bytes, secret: bytes | None = None) -> Path:
 
 def _need(value: str, field: str) -> Path:
     if not value:
-        raise ConfigError(f"{field}: required when CURVE is on (run `fleetrl keys --out keys`; see README, Operations)")
+        raise ConfigError(f"{field}: required when CURVE is on (run `fleetrl keys --out keys`; see docs/security.md)")
     return Path(value)
 
 

@@ -1,4 +1,4 @@
-"""The reward for tests/test_e2e_chat_data.py: exact match, and a JSON line per call of what the reward saw
+"""The reward for tests/integration/test_e2e_chat_data.py: exact match, and a JSON line per call of what the reward saw
 (prompt, answer, metadata) in the file $FLEETRL_TEST_REWARD_LOG, so the test can check what crossed the wire."""
 
 import json

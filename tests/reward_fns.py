@@ -1,4 +1,4 @@
-"""Reward functions for tests/test_rewards.py's pool tests, imported by the reward worker processes."""
+"""Reward functions for tests/integration/test_rewards.py's pool tests, imported by the reward worker processes."""
 
 import os
 import time

@@ -9,7 +9,7 @@ an actor whose groups keep failing them is quarantined (learner/hub/quarantine.p
 
 No socket, no event loop, no clock and no lock of its own: the caller passes the time and holds
 the lock (learner/hub/server.py runs it behind the ROUTER socket, on its own thread), so every rule
-here is unit-tested by calling it (tests/test_hub_state.py).
+here is unit-tested by calling it (tests/unit/test_hub_state.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ every tied token, where vLLM's sort keeps an arbitrary subset of them.
 Unverified on GPUs: where Triton is installed (CUDA) vLLM masks with apply_top_k_top_p_triton instead, which
 finds the top-p pivot by bisection and keeps exactly k tokens under ties (ties are common in bf16 logits), so
 the boundary token can differ and `logprob_mismatch` would show it. The CPU build has no Triton: the engine
-test (tests/test_sampling.py) proves the match there only. The shipped recipes sample with both off.
+test (tests/integration/test_sampling.py) proves the match there only. The shipped recipes sample with both off.
 """
 
 from __future__ import annotations

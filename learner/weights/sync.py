@@ -17,9 +17,9 @@ stop waiting too, protocol/abortable.py) and retried without it. Joining a new e
 of its own, weights.join_timeout_s: a member that has not set its joined key by then is evicted
 from the hub and the epoch re-formed at once without it; learner/weights/membership.py keeps
 newcomers and members that failed a join out of the sync's own epoch until they have joined one,
-so such a member holds the training up once at most (tests/test_weight_join.py). Nothing waits
+so such a member holds the training up once at most (tests/integration/test_weight_join.py). Nothing waits
 inside gloo, so neither the learner nor the survivors wait for a dead member's timeout
-(tests/test_weight_death.py).
+(tests/integration/test_weight_death.py).
 
 Where the bytes come from (see learner/weights/buckets.py):
 - ZeRO-3 (parameters sharded over the learner ranks): `sync` is given a `snapshot` that

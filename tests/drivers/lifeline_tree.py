@@ -1,4 +1,4 @@
-"""Process trees for tests/test_lifeline.py, made with the calls the actor uses (actors/lifeline.py), without vLLM.
+"""Process trees for tests/integration/test_lifeline.py, made with the calls the actor uses (actors/lifeline.py), without vLLM.
 
     lifeline_tree.py tree         a root with children: spawned (which spawns a grandchild), forked from the main
                                   thread, forked from a thread that then ends. Prints one JSON line {role: pid} once

@@ -11,7 +11,7 @@ backward, after any `with` block around the forward has exited.
 
 No dense mask is ever built: masking_utils returns mask None at once for an
 implementation with no entry in AttentionMaskInterface, and we register none
-(tests/test_packing.py checks it). Without `cu_seq_lens_q`, "fleetrl_varlen" treats
+(tests/unit/test_packing.py checks it). Without `cu_seq_lens_q`, "fleetrl_varlen" treats
 each row as one causal sequence, which is also exact for the real tokens of a
 right-padded batch (pads only follow them); left padding would be wrong and is
 never produced here. Both branches keep SDPA off cuDNN on CUDA (learner/train/attention/varlen.py).

@@ -17,7 +17,7 @@ import pytest
 from protocol.net import free_port
 
 pytestmark = pytest.mark.engine
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The turns' text, then "=" for the reply: "3+4" renders as "3+4=", the demo's own prompt, within its alphabet.
 CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
 

@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 from learner import build_locks
 from learner.build_locks import clear_stale_build_locks, extensions_root, filesystem_type, holders, mount_type
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _lock(root: Path, op: str = "deepspeed_shm_comm") -> Path:

@@ -17,7 +17,7 @@ from deploy.tiny import build_model, build_tokenizer
 from learner.checkpoint import CheckpointManager, hf_writer
 from protocol.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 METRIC = "eval/val/reward_mean"
 
 

@@ -15,7 +15,7 @@ import pytest
 from protocol.net import free_port
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = ["train.total_steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_samples=4",
             "train.mini_batches=2", "staleness.max_staleness=1", "train.lr=1e-3", "train.zero_stage=2",
             "cluster.learner_gpus_per_node=1"]

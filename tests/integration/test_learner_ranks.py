@@ -17,7 +17,7 @@ import pytest
 
 from protocol.net import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = ["train.total_steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_samples=4",
             "train.mini_batches=2", "staleness.max_staleness=1", "train.lr=1e-3"]
 
@@ -67,7 +67,7 @@ def test_ppo_critic_kl_entropy_decoupled_two_ranks_match_one(tiny_model_dir, tmp
     for a, b in zip(one["extras"], two["extras"], strict=True):
         assert {"loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac"} <= set(a)
         assert b == pytest.approx(a, rel=1e-4, abs=1e-7)
-    assert all(e["loss/value"] > 0 for e in one["extras"])  # the critic trains (tests/test_critic.py shows it learns)
+    assert all(e["loss/value"] > 0 for e in one["extras"])  # the critic trains (tests/unit/test_critic.py shows it learns)
     kls = [e["loss/kl"] for e in one["extras"]]
     assert 0 <= kls[0] < kls[-1], f"the policy starts at the reference and drifts from it: {kls}"
 

@@ -13,7 +13,7 @@ import torch
 from protocol.net import free_port
 
 pytestmark = pytest.mark.engine
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):

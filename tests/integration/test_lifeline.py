@@ -5,7 +5,7 @@
 - A child whose actor is gone before it attaches kills itself; one whose actor is an ancestor carries on.
 - A stop signal to a root whose main thread never acts on it ends the root and its children after the grace,
   exit 128 + the signal; a second signal cuts the grace short.
-The same with a real actor and its vLLM engine: tests/test_actor_exit.py.
+The same with a real actor and its vLLM engine: tests/integration/test_actor_exit.py.
 """
 
 import contextlib
@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DRIVER = str(ROOT / "tests" / "drivers" / "lifeline_tree.py")
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="prctl(PR_SET_PDEATHSIG) is Linux's")

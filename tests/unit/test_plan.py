@@ -11,7 +11,7 @@ import pytest
 from learner.plan import make_plan, render
 from protocol.config import ConfigError, load_config
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECIPES = sorted(CONFIGS.glob("*.toml"))
 
 

@@ -18,7 +18,7 @@ import pytest
 from protocol import auth
 from protocol.config import dump_toml, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([*ROOT.glob("deploy/*.sh"), *ROOT.glob("deploy/slurm/*.sbatch")])
 CLUSTER = ["cluster.learner_nodes=2", "cluster.learner_gpus_per_node=4", "cluster.actor_nodes=3",
            "cluster.actor_gpus_per_node=8", "cluster.tensor_parallel_size=2", "hub.bind=tcp://127.0.0.1:6000"]

@@ -37,7 +37,7 @@ class DirectHub:
         self.sent.extend(make(a) for a in members)
 
     def add_membership_listener(self, fn):
-        pass  # nobody joins or dies here (tests/test_weight_death.py covers that)
+        pass  # nobody joins or dies here (tests/integration/test_weight_death.py covers that)
 
     def evict(self, actor_id, why):
         raise AssertionError(f"{actor_id} evicted: {why}")

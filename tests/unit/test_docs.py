@@ -13,7 +13,7 @@ import pytest
 
 from deploy.config_list import MARKDOWN_COMMAND, render_markdown
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250  # a README gets a user to a first run and points onward; the rest is in docs/
 
 

@@ -24,7 +24,7 @@ from protocol.codec import decode, encode
 from protocol.config import load_config
 from protocol.net import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLOOD_MESSAGES = 20_000
 FLOOD_MAX_S = 40.0
 MAX_FRAME = 64 << 10  # oversized frames are 96 KiB: hub.hwm of them per connection is what libzmq may hold

@@ -4,7 +4,7 @@ once at most, for weights.join_timeout_s, and never again: the others get their 
 Before the join deadline existed, such a member held the learner's next optimizer step for weights.timeout_s
 (the step waits for the sync's own broadcast), and again at every later sync it was part of.
 
-Real pieces, as in tests/test_weight_death.py: the hub, WeightSender guarded by a real optimizer, gloo, member
+Real pieces, as in tests/integration/test_weight_death.py: the hub, WeightSender guarded by a real optimizer, gloo, member
 processes running the actor's protocol and receiver (tests/drivers/weight_member.py). The GPU test at the end
 runs the same with the learner on a GPU, where the member's epoch is NCCL.
 """
@@ -24,7 +24,7 @@ from learner.weights.sync import WeightSender
 from protocol.abortable import Abortable, Aborted, Graveyard
 from protocol.config import load_config
 from protocol.net import free_port
-from tests.test_weight_death import Member, step
+from tests.integration.test_weight_death import Member, step
 
 TIMEOUT_S = 30.0  # weights.timeout_s: what such a member used to cost each time
 JOIN_S = 3.0  # weights.join_timeout_s

@@ -11,7 +11,7 @@ from learner.train.batch import token_logprobs
 from learner.train.packing import pack_samples
 from learner.train.scoring import ChunkedLogprobs, ScoringHead, install_scoring_head, score_tokens
 from learner.train.trainer import _checkpoint_layers
-from tests.test_packing import make_samples
+from tests.unit.test_packing import make_samples
 
 
 def reference(hidden, weight, targets, temperature):

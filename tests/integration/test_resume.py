@@ -23,7 +23,7 @@ from learner.hub.ledger import Ledger, State
 from learner.resume import LearnerState, latest_checkpoint, restore_metrics
 from protocol.net import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _drain(ledger: Ledger, n: int) -> list:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import learner.train.attention.varlen as va
 from learner.train.attention.ring import FlashBlocks, MatmulBlocks, RingContext, _rects, ring_attention
-from tests.test_packing import make_samples, tiny_qwen2
+from tests.unit.test_packing import make_samples, tiny_qwen2
 
 pytestmark = pytest.mark.gpu
 HEADS, KV_HEADS, DIM = 14, 2, 64

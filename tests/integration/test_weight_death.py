@@ -26,7 +26,7 @@ from learner.weights.sync import WeightSender
 from protocol.config import load_config
 from protocol.net import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests" / "drivers" / "weight_member.py"
 TIMEOUT_S = 60.0  # weights.timeout_s: what a dead member used to cost; every bound below is far under it
 ACTOR_TIMEOUT_S = 2.0  # hub.actor_timeout_s: how long a silent (stopped) member takes to be declared dead

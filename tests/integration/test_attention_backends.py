@@ -5,7 +5,7 @@ same signatures that compute the documented semantics in float64: torch's varlen
 ([total, heads, dim] tensors) and aten's flash forward/backward (lse [heads, total_q],
 the backward taking a given out and lse). What these tests check is our side: layouts,
 cu_seqlens, GQA heads, which out/lse the backward gets, the ring's folding. The kernels
-themselves are checked against references in tests/test_gpu_attention.py.
+themselves are checked against references in tests/gpu/test_gpu_attention.py.
 """
 
 from __future__ import annotations

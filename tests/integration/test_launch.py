@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A child that exits a little after SIGTERM, as the learner and actors do, and leaves a grandchild in its group.
 CHILD = ("import signal, subprocess, sys, time; "

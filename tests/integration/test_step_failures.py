@@ -2,7 +2,7 @@
 
 A non-finite loss is injected into chosen optimizer steps; DeepSpeed (ZeRO-2, float32) sees the non-finite
 gradient norm and skips the step. The update reports which steps failed and how many reached the weights,
-which is what learner/main.py advances the version by (tests/test_group_checks.py tests the ledger side).
+which is what learner/main.py advances the version by (tests/unit/test_group_checks.py tests the ledger side).
 """
 
 import pytest

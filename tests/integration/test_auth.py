@@ -32,7 +32,7 @@ from protocol.codec import decode, encode
 from protocol.config import ConfigError, load_config
 from protocol.net import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def curve_config(keys, port, *extra):

@@ -65,7 +65,7 @@ def test_bad_file(tmp_path):
 def test_shipped_configs_load():
     from pathlib import Path
 
-    for path in (Path(__file__).parent.parent / "configs").glob("*.toml"):
+    for path in (Path(__file__).resolve().parents[2] / "configs").glob("*.toml"):
         load_config(path)
 
 

@@ -29,7 +29,7 @@ from protocol import auth
 from protocol.config import dump_toml, load_config
 
 pytestmark = pytest.mark.engine
-ROOT = str(Path(__file__).resolve().parent.parent)
+ROOT = str(Path(__file__).resolve().parents[2])
 PORT = 5555  # each namespace has its own ports: no clash with anything on this machine
 K, PROMPTS = 1, 8
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from learner.train.scoring import ChunkedLogprobs, install_scoring_head, score_tokens, threshold
-from tests.test_scoring import LargestTensor
+from tests.unit.test_scoring import LargestTensor
 
 CASES = [(0, 0.8), (4, 1.0), (5, 0.7), (0, 0.3), (3, 0.999)]  # (top_k, top_p); top_k 0 and top_p 1 are off
 

@@ -36,6 +36,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit -q
 
 lint: $(STAMP)
+	$(VENV)/bin/ruff format --check actors learner protocol deploy bench tests
 	$(VENV)/bin/ruff check actors learner protocol deploy bench tests
 	$(VENV)/bin/mypy actors learner protocol deploy
 

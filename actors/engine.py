@@ -56,16 +56,22 @@ class Sampling:
     @staticmethod
     def rollout(cfg: Config) -> Sampling:
         r = cfg.rollout
-        return Sampling(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop),
-                        include_stop_str=r.include_stop_str_in_output)
+        return Sampling(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop), include_stop_str=r.include_stop_str_in_output
+        )
 
     @staticmethod
     def evaluation(cfg: Config, temperature: float) -> Sampling:
         """The hub picks greedy (0.0) or sampled (rollout.temperature) per EvalGrant; the rest is eval.*. One
         reward scores both, so the stop-string convention of the text is rollout's."""
         e = cfg.eval
-        return Sampling(temperature=temperature, top_p=e.top_p, top_k=e.top_k, stop=tuple(e.stop),
-                        include_stop_str=cfg.rollout.include_stop_str_in_output)
+        return Sampling(
+            temperature=temperature,
+            top_p=e.top_p,
+            top_k=e.top_k,
+            stop=tuple(e.stop),
+            include_stop_str=cfg.rollout.include_stop_str_in_output,
+        )
 
 
 def engine_env(cfg: Config, on_cuda: bool) -> None:
@@ -119,8 +125,9 @@ class Engine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)  # the one vLLM loads (same folder), unpooled
 
-    async def generate_group(self, prompt_tokens: np.ndarray, n: int, seed: int | None = None,
-                             sampling: Sampling | None = None) -> list[Completion]:
+    async def generate_group(
+        self, prompt_tokens: np.ndarray, n: int, seed: int | None = None, sampling: Sampling | None = None
+    ) -> list[Completion]:
         """`n` completions of one prompt as one request (vLLM fans it out to n sequences).
 
         `sampling` defaults to rollout's (Sampling.rollout); temperature 0.0 is greedy (evaluation).
@@ -135,9 +142,18 @@ class Engine:
         # the reward needs the text once, decoded here. Stop strings are matched on vLLM's text, so they need it.
         # flat_logprobs: one list of floats, not a dict per token.
         params = SamplingParams(
-            n=n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=self.cfg.rollout.max_tokens, logprobs=0,
-            seed=seed, output_kind=RequestOutputKind.FINAL_ONLY, flat_logprobs=True,
-            detokenize=bool(s.stop), stop=list(s.stop) or None, include_stop_str_in_output=s.include_stop_str,
+            n=n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=self.cfg.rollout.max_tokens,
+            logprobs=0,
+            seed=seed,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            flat_logprobs=True,
+            detokenize=bool(s.stop),
+            stop=list(s.stop) or None,
+            include_stop_str_in_output=s.include_stop_str,
         )
         final = None
         prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_tokens])
@@ -161,9 +177,14 @@ class Engine:
                 stopped_by_token = c.finish_reason == "stop" and (c.stop_reason is None or isinstance(c.stop_reason, int))
                 kept = ids[:-1] if stopped_by_token and ids else ids
                 text = str(self.tokenizer.decode(kept, skip_special_tokens=True, clean_up_tokenization_spaces=False))
-            completions.append(Completion(
-                token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray([lps.logprobs[i] for i in first], dtype=np.float32),
-                finish_reason=c.finish_reason or "length", text=text))
+            completions.append(
+                Completion(
+                    token_ids=np.asarray(ids, dtype=np.int32),
+                    logprobs=np.asarray([lps.logprobs[i] for i in first], dtype=np.float32),
+                    finish_reason=c.finish_reason or "length",
+                    text=text,
+                )
+            )
         return completions
 
     async def warm_up(self) -> None:
@@ -223,7 +244,9 @@ def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
     assert results, "collective_rpc returned no worker result"
     errors = [r for r in results if "error" in r]
     if errors:
-        return {"error": "; ".join(sorted({r["error"] for r in errors})),
-                "buckets_loaded": max(r.get("buckets_loaded", 0) for r in results),
-                "failed_after_s": max(r.get("failed_after_s", 0.0) for r in errors)}
+        return {
+            "error": "; ".join(sorted({r["error"] for r in errors})),
+            "buckets_loaded": max(r.get("buckets_loaded", 0) for r in results),
+            "failed_after_s": max(r.get("failed_after_s", 0.0) for r in errors),
+        }
     return {k: max(float(r[k]) for r in results) for k in results[0]}

@@ -54,8 +54,13 @@ from protocol.net import pin_cpus
 from protocol.progress import phase
 
 # What the actor hears from its connection's monitor: a closed connection, a failed or completed CURVE handshake.
-CONNECTION_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+CONNECTION_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+)
 # SIGTERM/SIGINT to exit, at most: the clean stop, else SIGKILL to everything the actor started (actors/lifeline.py).
 # Above ENGINE_STOP_S plus the rest of a clean stop (closing the reward workers and the socket).
 STOP_GRACE_S = 8.0
@@ -136,12 +141,17 @@ class Actor:
         # After the engine: a process it forks must not inherit the workers' sockets (a worker whose socket is
         # also held elsewhere would not see the actor die).
         r = self.cfg.rollout
-        self.rewards = RewardPool(r.reward_fn, r.reward_workers, r.reward_timeout_s,
-                                  on_replace=lambda why: self.log.warning("actor.reward_worker_replaced", reward=r.reward_fn, why=why))
+        self.rewards = RewardPool(
+            r.reward_fn,
+            r.reward_workers,
+            r.reward_timeout_s,
+            on_replace=lambda why: self.log.warning("actor.reward_worker_replaced", reward=r.reward_fn, why=why),
+        )
         with phase(self.log, "actor.reward_workers_start", workers=r.reward_workers):
             await self.rewards.start()
-        self.sock = transport.client_socket(ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self.keys,
-                                            events=CONNECTION_EVENTS)
+        self.sock = transport.client_socket(
+            ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self.keys, events=CONNECTION_EVENTS
+        )
 
     async def _unless_stopped(self, coro) -> bool:
         """Run a start-up step unless the stop comes first (then cancel it): whether it ran. A step can wait forever on
@@ -218,8 +228,14 @@ class Actor:
                     continue
                 cause = auth.handshake_failure(kind, value)
                 if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    self.log.error("actor.key_refused", learner=self.learner, status=value, key=self.cfg.auth.client_key, cause=cause,
-                                   hint="add its public key to the learner's auth.authorized folder (fleetrl keys), then restart this actor")
+                    self.log.error(
+                        "actor.key_refused",
+                        learner=self.learner,
+                        status=value,
+                        key=self.cfg.auth.client_key,
+                        cause=cause,
+                        hint="add its public key to the learner's auth.authorized folder (fleetrl keys), then restart this actor",
+                    )
                     self.exit_code = 1
                     self.stop.set()
                     return
@@ -244,8 +260,11 @@ class Actor:
 
     async def _register(self) -> None:
         self.registered.clear()
-        await self._send(m.Register(actor_id=self.actor_id, host=socket.gethostname(), pid=os.getpid(), served_version=self.served_version,
-                                    devices=self.devices))
+        await self._send(
+            m.Register(
+                actor_id=self.actor_id, host=socket.gethostname(), pid=os.getpid(), served_version=self.served_version, devices=self.devices
+            )
+        )
 
     async def _request_work(self) -> None:
         """Ask for work while there is room; the request names the actor's whole capacity (the hub subtracts
@@ -321,19 +340,31 @@ class Actor:
             await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
         version_min = self.served_version
         t0 = time.perf_counter()
-        completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt,
-                                                       sampling=self.sampling)
+        completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt, sampling=self.sampling)
         version_max = self.served_version
         gen_s = time.perf_counter() - t0
         scores = await self._score(grant, completions, "train")
         lengths = np.asarray([len(c.token_ids) for c in completions], dtype=np.int32)
-        await self._send(m.RolloutGroup(
-            actor_id=self.actor_id, prompt_id=grant.prompt_id, epoch=grant.epoch, prompt_tokens=grant.prompt_tokens,
-            lengths=lengths, completion_tokens=np.concatenate([c.token_ids for c in completions]),
-            behaviour_logprobs=np.concatenate([c.logprobs for c in completions]), rewards=scores.rewards,
-            finish_reasons=[c.finish_reason for c in completions], version_min=version_min, version_max=version_max,
-            gen_s=gen_s, reward_s=time.perf_counter() - t0 - gen_s, reward_parts=scores.parts,
-            reward_part_names=scores.part_names, reward_errors=scores.errors))
+        await self._send(
+            m.RolloutGroup(
+                actor_id=self.actor_id,
+                prompt_id=grant.prompt_id,
+                epoch=grant.epoch,
+                prompt_tokens=grant.prompt_tokens,
+                lengths=lengths,
+                completion_tokens=np.concatenate([c.token_ids for c in completions]),
+                behaviour_logprobs=np.concatenate([c.logprobs for c in completions]),
+                rewards=scores.rewards,
+                finish_reasons=[c.finish_reason for c in completions],
+                version_min=version_min,
+                version_max=version_max,
+                gen_s=gen_s,
+                reward_s=time.perf_counter() - t0 - gen_s,
+                reward_parts=scores.parts,
+                reward_part_names=scores.part_names,
+                reward_errors=scores.errors,
+            )
+        )
 
     async def _score(self, grant: m.WorkGrant | m.EvalGrant, completions: list[Completion], split: str) -> GroupScores:
         """Score a group in the reward workers. A failed reward scores 0 and is counted in the group (and logged
@@ -344,13 +375,23 @@ class Actor:
         except ValueError as e:  # json.JSONDecodeError is a ValueError; the reward still runs, with no metadata
             self.log.warning("actor.bad_metadata", prompt_id=grant.prompt_id, split=split, error=str(e))
             metadata = {}
-        contexts = [RewardContext(completion=c.text, prompt=grant.prompt, answer=grant.answer, metadata=metadata,
-                                  finish_reason=c.finish_reason) for c in completions]
+        contexts = [
+            RewardContext(completion=c.text, prompt=grant.prompt, answer=grant.answer, metadata=metadata, finish_reason=c.finish_reason)
+            for c in completions
+        ]
         scores = assemble(await self.rewards.score(contexts))
         # at most one line a second: a reward that fails on every row must not flood the log (the counts still go out)
         if scores.errors and (suppressed := self._reward_error_log.ready()) is not None:
-            self.log.warning("actor.reward_errors", reward=self.cfg.rollout.reward_fn, errors=scores.errors, of=len(contexts),
-                             prompt_id=grant.prompt_id, split=split, first=scores.first_error, suppressed=suppressed)
+            self.log.warning(
+                "actor.reward_errors",
+                reward=self.cfg.rollout.reward_fn,
+                errors=scores.errors,
+                of=len(contexts),
+                prompt_id=grant.prompt_id,
+                split=split,
+                first=scores.first_error,
+                suppressed=suppressed,
+            )
         return scores
 
     async def _run_eval(self, grant: m.EvalGrant) -> None:
@@ -359,15 +400,26 @@ class Actor:
             await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
         version_min = self.served_version
         t0 = time.perf_counter()
-        completions = await self.engine.generate_group(grant.prompt_tokens, grant.n, seed=grant.seed,
-                                                       sampling=Sampling.evaluation(self.cfg, grant.temperature))
+        completions = await self.engine.generate_group(
+            grant.prompt_tokens, grant.n, seed=grant.seed, sampling=Sampling.evaluation(self.cfg, grant.temperature)
+        )
         gen_s = time.perf_counter() - t0
         scores = await self._score(grant, completions, grant.split)
-        await self._send(m.EvalResult(
-            actor_id=self.actor_id, eval_round=grant.eval_round, split=grant.split, prompt_id=grant.prompt_id,
-            lengths=np.asarray([len(c.token_ids) for c in completions], dtype=np.int32), rewards=scores.rewards,
-            finish_reasons=[c.finish_reason for c in completions], version_min=version_min,
-            version_max=self.served_version, gen_s=gen_s, reward_errors=scores.errors))
+        await self._send(
+            m.EvalResult(
+                actor_id=self.actor_id,
+                eval_round=grant.eval_round,
+                split=grant.split,
+                prompt_id=grant.prompt_id,
+                lengths=np.asarray([len(c.token_ids) for c in completions], dtype=np.int32),
+                rewards=scores.rewards,
+                finish_reasons=[c.finish_reason for c in completions],
+                version_min=version_min,
+                version_max=self.served_version,
+                gen_s=gen_s,
+                reward_errors=scores.errors,
+            )
+        )
 
     async def _apply_sync(self, sync: m.WeightSync) -> None:
         async with self.sync_lock:
@@ -385,8 +437,14 @@ class Actor:
                 # learner gives the epoch up and sends again in a new one (learner/weights/sync.py); until then we serve the
                 # old version (or nothing, paused, if some buckets were loaded) and the hub grants us nothing newer.
                 # A learner that is gone shows as a closed connection (the watch task), not here.
-                self.log.warning("actor.weights_failed", version=sync.policy_version, epoch=sync.group_epoch, served=self.served_version,
-                                 paused=result["buckets_loaded"] > 0, **result)
+                self.log.warning(
+                    "actor.weights_failed",
+                    version=sync.policy_version,
+                    epoch=sync.group_epoch,
+                    served=self.served_version,
+                    paused=result["buckets_loaded"] > 0,
+                    **result,
+                )
                 return
             if lost != self.lost:  # weights of a learner that is gone: keep serving -1 until the next one's sync
                 self.log.info("actor.stale_sync_ignored", version=sync.policy_version, epoch=sync.group_epoch)
@@ -400,14 +458,18 @@ class Actor:
             load_s = time.perf_counter() - t0
             # The first sync is the join (a late joiner's catch-up); later ones are routine, every update.
             (self.log.info if first else self.log.debug)(
-                "actor.weights_loaded", version=sync.policy_version, epoch=sync.group_epoch, load_s=round(load_s, 4), **result)
-            await self._send(m.WeightVersion(actor_id=self.actor_id, served_version=sync.policy_version, group_epoch=sync.group_epoch, load_s=load_s))
+                "actor.weights_loaded", version=sync.policy_version, epoch=sync.group_epoch, load_s=round(load_s, 4), **result
+            )
+            await self._send(
+                m.WeightVersion(actor_id=self.actor_id, served_version=sync.policy_version, group_epoch=sync.group_epoch, load_s=load_s)
+            )
         await self._request_work()
 
 
 def run_actor(cfg: Config, learner: str, actor_id: str | None = None) -> int:
     pin_cpus(parse_cpus(cfg.actor.cpu_affinity, "actor.cpu_affinity"))  # inherited by vLLM's processes
     lifeline.root()  # before the engine: its processes die with this one, whatever kills it
+
     async def main() -> int:
         return await Actor(cfg, learner, actor_id).run()
 

@@ -40,7 +40,9 @@ class WeightReceiver:
         self.poll_s = poll_s
         self.local = local or wg.local_device()  # this worker's own device: where an NCCL group's buffer goes
         self.group: dist.ProcessGroup | None = None
-        self.joined: tuple[str, int, int] | None = None  # (store host, port, epoch) of `group`: a restarted learner counts epochs from 1 again
+        self.joined: tuple[str, int, int] | None = (
+            None  # (store host, port, epoch) of `group`: a restarted learner counts epochs from 1 again
+        )
         self.backend = "gloo"  # of `group`
         self.control: dist.TCPStore | None = None  # our own store client for the joined/abort keys (see protocol/abortable.py)
         self.control_at: tuple[str, int] | None = None
@@ -53,8 +55,9 @@ class WeightReceiver:
         epoch, loaded = sync["group_epoch"], 0
         try:
             control = self._control(sync)
-            waits = Abortable(should_abort=lambda: _given_up(control, epoch), timeout_s=sync["timeout_s"],
-                              graveyard=self.graveyard, poll_s=self.poll_s)
+            waits = Abortable(
+                should_abort=lambda: _given_up(control, epoch), timeout_s=sync["timeout_s"], graveyard=self.graveyard, poll_s=self.poll_s
+            )
             if (why := waits.should_abort()) is not None:  # queued behind a sync that failed: the epoch is already over
                 raise Aborted(f"epoch {epoch}: {why}")
             group = self._join(sync, control, waits)
@@ -66,8 +69,17 @@ class WeightReceiver:
             if buf is None or buf.dtype != dtype or buf.numel() < need or buf.device != device:
                 self.buffer = buf = None  # freed before the new one is made: both may not fit on the GPU
                 self.buffer = wg.landing_buffer(need, dtype, backend, self.local)
-            for pairs in wg.receive_buckets(group, sync["names"], sync["shapes"], dtype, sync["bucket_bytes"], self.buffer,
-                                            bcast=waits.broadcast, backend=backend, local=self.local):
+            for pairs in wg.receive_buckets(
+                group,
+                sync["names"],
+                sync["shapes"],
+                dtype,
+                sync["bucket_bytes"],
+                self.buffer,
+                bcast=waits.broadcast,
+                backend=backend,
+                local=self.local,
+            ):
                 load(pairs)  # on CUDA its copies are queued on the current stream; NCCL's next write waits for them
                 loaded += 1
             if self.local.type == "cuda":

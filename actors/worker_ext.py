@@ -96,8 +96,11 @@ class FleetWeightReceiver:
         if sync.pop("leave_group", False):
             receiver.leave(drop_store=True)
         if not 0 <= self.rank < sync["ranks"]:  # the actor registered fewer workers than the engine has
-            return {"error": f"worker rank {self.rank} is outside the {sync['ranks']} ranks this actor was given",
-                    "buckets_loaded": 0, "failed_after_s": 0.0}
+            return {
+                "error": f"worker rank {self.rank} is outside the {sync['ranks']} ranks this actor was given",
+                "buckets_loaded": 0,
+                "failed_after_s": 0.0,
+            }
         mine = {**sync, "rank": sync["rank"] + self.rank}
         model = self.model_runner.get_model()
         result = receiver.receive(mine, model.load_weights)

@@ -68,10 +68,13 @@ def phase(fleet: Fleet, actors: list[str], window: int) -> Phase:
     g0 = dict(zip(s0.actor_ids, s0.actor_groups.tolist(), strict=True))
     g1 = dict(zip(s1.actor_ids, s1.actor_groups.tolist(), strict=True))
     return Phase(
-        samples_per_s=sum(r["samples"] for r in rows) / wall, step_s=wall / len(rows),
-        wait_s=sum(r["time/wait"] for r in rows) / len(rows), train_s=sum(r["time/train"] for r in rows) / len(rows),
+        samples_per_s=sum(r["samples"] for r in rows) / wall,
+        step_s=wall / len(rows),
+        wait_s=sum(r["time/wait"] for r in rows) / len(rows),
+        train_s=sum(r["time/train"] for r in rows) / len(rows),
         groups={a: (g1.get(a, 0) - g0.get(a, 0)) / (t1 - t0) for a in actors},
-        cpu={a: (c1[a] - c0[a]) / (t1 - t0) for a in actors})
+        cpu={a: (c1[a] - c0[a]) / (t1 - t0) for a in actors},
+    )
 
 
 def field_is(key: str, value: object) -> Callable[[Event], bool]:
@@ -85,8 +88,9 @@ def logged_after(t: float) -> Callable[[Event], bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window", type=int, default=30, help="steps measured per fleet size")
-    ap.add_argument("--actor-cpus", default="1",
-                    help="CPU ids for every actor (\"1\", \"0-1\"), or one spec per actor joined by '/' (\"0/1/1\")")
+    ap.add_argument(
+        "--actor-cpus", default="1", help='CPU ids for every actor ("1", "0-1"), or one spec per actor joined by \'/\' ("0/1/1")'
+    )
     ap.add_argument("--max-actors", type=int, default=3)
     args, overrides = ap.parse_known_args()
     exit_on_sigterm()
@@ -110,13 +114,18 @@ def main() -> None:
         finally:
             fleet.stop_all()
     k, n = fleet.cfg.staleness.max_staleness, fleet.cfg.train.prompts_per_step * fleet.cfg.rollout.samples_per_prompt
-    print(f"\nThroughput by fleet size: demo settings ({n} samples per step, k = {k}), learner on CPU 0, actors on CPU(s) "
-          f"{' / '.join(cpus_of(i) for i in range(len(results)))}, {args.window} steps each, measured after each new actor had delivered and warmed up")
+    print(
+        f"\nThroughput by fleet size: demo settings ({n} samples per step, k = {k}), learner on CPU 0, actors on CPU(s) "
+        f"{' / '.join(cpus_of(i) for i in range(len(results)))}, {args.window} steps each, "
+        "measured after each new actor had delivered and warmed up"
+    )
     print(f"{'actors':>6}{'samples/s':>11}{'x 1 actor':>10}{'s/step':>8}{'wait s':>8}{'train s':>9}{'actor CPU':>11}   groups/s per actor")
     base = results[0].samples_per_s
     for i, r in enumerate(results):
-        print(f"{i + 1:>6}{r.samples_per_s:>11.1f}{r.samples_per_s / base:>10.2f}{r.step_s:>8.3f}{r.wait_s:>8.3f}"
-              f"{r.train_s:>9.3f}{sum(r.cpu.values()):>11.2f}   " + "  ".join(f"{a} {g:.1f}" for a, g in r.groups.items()))
+        print(
+            f"{i + 1:>6}{r.samples_per_s:>11.1f}{r.samples_per_s / base:>10.2f}{r.step_s:>8.3f}{r.wait_s:>8.3f}"
+            f"{r.train_s:>9.3f}{sum(r.cpu.values()):>11.2f}   " + "  ".join(f"{a} {g:.1f}" for a, g in r.groups.items())
+        )
     print("\nactor CPU: CPU-seconds per second used by all actor processes together (1.00 = one full core).")
 
 

@@ -31,8 +31,17 @@ from protocol.net import free_port
 
 def run(k: int, steps: int, extra: list[str], root: Path) -> dict:
     run_dir = root / f"k{k}"
-    cmd = [sys.executable, "-m", "deploy.cli", "demo", f"run.dir={run_dir}", f"staleness.max_staleness={k}",
-           f"train.total_steps={steps}", f"hub.bind=tcp://127.0.0.1:{free_port()}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "demo",
+        f"run.dir={run_dir}",
+        f"staleness.max_staleness={k}",
+        f"train.total_steps={steps}",
+        f"hub.bind=tcp://127.0.0.1:{free_port()}",
+        *extra,
+    ]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     total = time.perf_counter() - t0
@@ -45,7 +54,9 @@ def summarize(rows: list[dict], skip: int, total_s: float) -> dict[str, float]:
     steady = rows[skip:]
     elapsed = rows[-1]["wall_s"] - base["wall_s"]
     return {
-        "samples_per_s": sum(x["samples"] for x in steady) / elapsed, "step_s": elapsed / len(steady), "total_s": total_s,
+        "samples_per_s": sum(x["samples"] for x in steady) / elapsed,
+        "step_s": elapsed / len(steady),
+        "total_s": total_s,
         "wait_s": sum(x["time/wait"] for x in steady) / len(steady),
         "reward_last": sum(x["reward_mean"] for x in rows[-5:]) / 5,
         "dropped": rows[-1].get("hub/dropped_stale", 0.0),
@@ -74,17 +85,23 @@ def main() -> None:
                 r = run(k, args.steps, extra, root)
                 pair[k] = summarize(r["rows"], args.skip, r["total_s"])
             pairs.append(pair)
-    print(f"\n{'pair':>5}{'max_staleness':>14}{'samples/s':>11}{'s/step':>9}{'wait s/step':>13}{'train s/step':>14}{'sync s/step':>13}"
-          f"{'dropped stale':>15}{'reward (last 5)':>17}{'run wall s':>12}{'async / sync':>14}")
+    print(
+        f"\n{'pair':>5}{'max_staleness':>14}{'samples/s':>11}{'s/step':>9}{'wait s/step':>13}{'train s/step':>14}{'sync s/step':>13}"
+        f"{'dropped stale':>15}{'reward (last 5)':>17}{'run wall s':>12}{'async / sync':>14}"
+    )
     ratios = []
     for i, pair in enumerate(pairs):
         ratios.append(pair[1]["samples_per_s"] / pair[0]["samples_per_s"])
         for k, r in pair.items():
             ratio = f"{ratios[-1]:.2f}x" if k == 1 else ""
-            print(f"{i:>5}{k:>14}{r['samples_per_s']:>11.1f}{r['step_s']:>9.3f}{r['wait_s']:>13.3f}{r['train_s']:>14.3f}{r['sync_s']:>13.3f}"
-                  f"{r['dropped']:>15.0f}{r['reward_last']:>17.3f}{r['total_s']:>12.1f}{ratio:>14}")
-    print(f"\nasync / sync samples per second: median {statistics.median(ratios):.2f}x of {len(ratios)} pairs "
-          f"(range {min(ratios):.2f}-{max(ratios):.2f}; target >= 1.6x; 2x is the limit when generation and training take equal time)")
+            print(
+                f"{i:>5}{k:>14}{r['samples_per_s']:>11.1f}{r['step_s']:>9.3f}{r['wait_s']:>13.3f}{r['train_s']:>14.3f}{r['sync_s']:>13.3f}"
+                f"{r['dropped']:>15.0f}{r['reward_last']:>17.3f}{r['total_s']:>12.1f}{ratio:>14}"
+            )
+    print(
+        f"\nasync / sync samples per second: median {statistics.median(ratios):.2f}x of {len(ratios)} pairs "
+        f"(range {min(ratios):.2f}-{max(ratios):.2f}; target >= 1.6x; 2x is the limit when generation and training take equal time)"
+    )
 
 
 if __name__ == "__main__":

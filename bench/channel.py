@@ -72,14 +72,24 @@ def make_group(completions: int, tokens: int) -> m.RolloutGroup:
     rng = np.random.default_rng(0)
     total = completions * tokens
     return m.RolloutGroup(
-        actor_id="bench", prompt_id=1, epoch=0,
+        actor_id="bench",
+        prompt_id=1,
+        epoch=0,
         prompt_tokens=rng.integers(0, 32000, 256).astype(np.int32),
-        lengths=np.full(completions, tokens, np.int32), completion_tokens=rng.integers(0, 32000, total).astype(np.int32),
-        behaviour_logprobs=-rng.random(total).astype(np.float32), rewards=rng.random(completions).astype(np.float32),
-        finish_reasons=["stop"] * completions, version_min=0, version_max=0, gen_s=1.0, reward_s=0.01)
+        lengths=np.full(completions, tokens, np.int32),
+        completion_tokens=rng.integers(0, 32000, total).astype(np.int32),
+        behaviour_logprobs=-rng.random(total).astype(np.float32),
+        rewards=rng.random(completions).astype(np.float32),
+        finish_reasons=["stop"] * completions,
+        version_min=0,
+        version_max=0,
+        gen_s=1.0,
+        reward_s=0.01,
+    )
 
 
 # ---- hub groups/s: the real hub, fed by an actor over the public protocol --------------------------
+
 
 def _hub(port: int, core: int | None, completions: int, tokens: int, warmup_s: float, seconds: float, out: mp.Queue) -> None:
     import logging
@@ -92,13 +102,23 @@ def _hub(port: int, core: int | None, completions: int, tokens: int, warmup_s: f
     from protocol.logs import setup_logging
 
     setup_logging("bench", level=logging.ERROR)  # the learner logs at INFO; per-group lines are DEBUG either way
-    cfg = load_config(None, [f"hub.bind=tcp://127.0.0.1:{port}", f"rollout.samples_per_prompt={completions}",
-                             f"rollout.max_tokens={tokens}", f"actor.max_model_len={tokens + 1024}",
-                             f"train.prompts_per_step={PROMPTS_PER_STEP}", f"staleness.max_staleness={MAX_STALENESS}",
-                             f"hub.hwm={HWM}", f"hub.max_frame_bytes={MAX_FRAME}"])
+    cfg = load_config(
+        None,
+        [
+            f"hub.bind=tcp://127.0.0.1:{port}",
+            f"rollout.samples_per_prompt={completions}",
+            f"rollout.max_tokens={tokens}",
+            f"actor.max_model_len={tokens + 1024}",
+            f"train.prompts_per_step={PROMPTS_PER_STEP}",
+            f"staleness.max_staleness={MAX_STALENESS}",
+            f"hub.hwm={HWM}",
+            f"hub.max_frame_bytes={MAX_FRAME}",
+        ],
+    )
     hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()))
     hub.start()
     out.put("ready")
+
     def take() -> int:
         batch = hub.take_batch(PROMPTS_PER_STEP, timeout_s=RUN_LIMIT_S)
         hub.finish_update(0, [item.key for item in batch])  # the version stays 0: no weight sync to wait for
@@ -183,6 +203,7 @@ def measure_hub(completions: int, tokens: int, warmup_s: float, seconds: float) 
 
 # ---- raw ZeroMQ: the same frames, only sent and received ------------------------------------------
 
+
 def _raw_receiver(port: int, core: int | None, count: int, out: mp.Queue) -> None:
     _pin(core)
 
@@ -234,6 +255,7 @@ def measure_raw(frames: list[bytes], count: int) -> float:
 
 # ---- the table --------------------------------------------------------------------------------------
 
+
 def codec_us(group: m.RolloutGroup) -> tuple[float, float]:
     """(encode, decode) microseconds per group, best of 5 timeit runs."""
     frames = [bytes(f) for f in encode(group)]
@@ -250,8 +272,10 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, pyzmq {zmq.__version__}, "
-            f"libzmq {zmq.zmq_version()}, msgpack {package_version('msgpack')}, numpy {np.__version__}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, pyzmq {zmq.__version__}, "
+        f"libzmq {zmq.zmq_version()}, msgpack {package_version('msgpack')}, numpy {np.__version__}"
+    )
 
 
 def main() -> None:
@@ -273,22 +297,40 @@ def main() -> None:
             raw.append(measure_raw(frames, count))
             hub.append(measure_hub(completions, tokens, warmup, seconds))
         rates = [h[0] for h in hub]
-        rows.append(((completions, tokens), sum(map(len, frames)), statistics.median(rates), min(rates), max(rates),
-                     statistics.median(raw), statistics.median(h[1] for h in hub), statistics.median(h[2] for h in hub),
-                     *codec_us(group)))
-    print(f"\n`python -m bench.channel{' --smoke' if args.smoke else ''}`; {machine()}; "
-          f"{datetime.date.today().isoformat()}; medians of {repeats} run(s).\n")
-    print("| payload (completions x tokens) | bytes/group | hub groups/s (min-max) | raw ZeroMQ msg/s | hub / raw "
-          "| hub CPU us/group (core busy) | encode us | decode us |")
+        rows.append(
+            (
+                (completions, tokens),
+                sum(map(len, frames)),
+                statistics.median(rates),
+                min(rates),
+                max(rates),
+                statistics.median(raw),
+                statistics.median(h[1] for h in hub),
+                statistics.median(h[2] for h in hub),
+                *codec_us(group),
+            )
+        )
+    print(
+        f"\n`python -m bench.channel{' --smoke' if args.smoke else ''}`; {machine()}; "
+        f"{datetime.date.today().isoformat()}; medians of {repeats} run(s).\n"
+    )
+    print(
+        "| payload (completions x tokens) | bytes/group | hub groups/s (min-max) | raw ZeroMQ msg/s | hub / raw "
+        "| hub CPU us/group (core busy) | encode us | decode us |"
+    )
     print("|---|--:|--:|--:|--:|--:|--:|--:|")
     for (c, t), size, med, lo, hi, raw_rate, cpu_us, busy, enc, dec in rows:
-        print(f"| {c} x {t} | {size:,} | {med:,.0f} ({lo:,.0f}-{hi:,.0f}) | {raw_rate:,.0f} | {med / raw_rate:.2f} "
-              f"| {cpu_us:,.0f} ({busy:.0%}) | {enc:.1f} | {dec:.1f} |")
+        print(
+            f"| {c} x {t} | {size:,} | {med:,.0f} ({lo:,.0f}-{hi:,.0f}) | {raw_rate:,.0f} | {med / raw_rate:.2f} "
+            f"| {cpu_us:,.0f} ({busy:.0%}) | {enc:.1f} | {dec:.1f} |"
+        )
     (target_c, target_t), target_rate = TARGET
     got = next(r[2] for r in rows if r[0] == (target_c, target_t))
     verdict = "meets" if got >= target_rate else "misses"
-    print(f"\nThe hub admits {got:,.0f} groups/s of {target_c} x {target_t} tokens on one core: it {verdict} the target of "
-          f"{target_rate:,} (64 H100s generating with a 7B model produce on the order of 10-20 groups/s).")
+    print(
+        f"\nThe hub admits {got:,.0f} groups/s of {target_c} x {target_t} tokens on one core: it {verdict} the target of "
+        f"{target_rate:,} (64 H100s generating with a 7B model produce on the order of 10-20 groups/s)."
+    )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,14 @@ STALL_S = 10.0
 ORPHAN_WAIT_S = 10.0
 BAD_KINDS = ("vocab", "negative_id", "huge_reward", "too_long", "empty_prompt", "never_granted", "low_logprob")
 FAULTS = ("actor_kill", "actor_attach", "learner_kill", "staleness", "rogue")
-SETTINGS = ["train.total_steps=100000", "actor.kvcache_gib=1", "hub.heartbeat_s=0.5", "checkpoint.every_steps=5",
-            "checkpoint.keep=2", "log.samples_every_steps=0"]
+SETTINGS = [
+    "train.total_steps=100000",
+    "actor.kvcache_gib=1",
+    "hub.heartbeat_s=0.5",
+    "checkpoint.every_steps=5",
+    "checkpoint.keep=2",
+    "log.samples_every_steps=0",
+]
 
 
 # ---- processes, found by the marker in their environment ---------------------------------------------
@@ -208,8 +214,9 @@ class Rogue:
                 return None
             msg = transport.decode_frames(sock.recv_multipart(), 1 << 24)
             if isinstance(msg, m.WeightSync):
-                sock.send_multipart(encode(m.WeightVersion(actor_id=self.actor, served_version=msg.policy_version,
-                                                           group_epoch=msg.group_epoch, load_s=0.0)))
+                sock.send_multipart(
+                    encode(m.WeightVersion(actor_id=self.actor, served_version=msg.policy_version, group_epoch=msg.group_epoch, load_s=0.0))
+                )
             if isinstance(msg, kinds):
                 return msg
         return None
@@ -237,9 +244,21 @@ class Rogue:
             epoch += 1
         elif kind == "low_logprob":
             logprobs[0] = -200.0
-        return m.RolloutGroup(actor_id=actor, prompt_id=prompt_id, epoch=epoch, prompt_tokens=prompt, lengths=lengths,
-                              completion_tokens=tokens, behaviour_logprobs=logprobs, rewards=rewards, finish_reasons=["stop"] * n,
-                              version_min=grant.policy_version, version_max=grant.policy_version, gen_s=0.1, reward_s=0.0)
+        return m.RolloutGroup(
+            actor_id=actor,
+            prompt_id=prompt_id,
+            epoch=epoch,
+            prompt_tokens=prompt,
+            lengths=lengths,
+            completion_tokens=tokens,
+            behaviour_logprobs=logprobs,
+            rewards=rewards,
+            finish_reasons=["stop"] * n,
+            version_min=grant.policy_version,
+            version_max=grant.policy_version,
+            gen_s=0.1,
+            reward_s=0.0,
+        )
 
 
 # ---- the run ------------------------------------------------------------------------------------------
@@ -317,8 +336,9 @@ def stalls(steps: list[float], down: list[tuple[float, float]]) -> list[float]:
     return out
 
 
-def run(minutes: float, seed: int, every_s: float, max_actors: int, overrides: list[str], run_dir: Path,
-        schedule: list[str] | None = None) -> dict:
+def run(
+    minutes: float, seed: int, every_s: float, max_actors: int, overrides: list[str], run_dir: Path, schedule: list[str] | None = None
+) -> dict:
     """The chaos run; returns the report (also what the test checks). `schedule`: these faults in this order
     instead of random ones."""
     token = uuid.uuid4().hex
@@ -355,14 +375,19 @@ def run(minutes: float, seed: int, every_s: float, max_actors: int, overrides: l
     rows = fleet.metrics()
     counts = {k.removeprefix("ledger/"): v for k, v in (rows[-1] if rows else {}).items() if k.startswith("ledger/requeued")}
     return {
-        "faults": dict(chaos.faults), "rogue": {k: dict(v) for k, v in chaos.rogue_replies.items()},
-        "learner_exit": exit_code, "learner_starts": 1 + chaos.faults["learner_kill"],
-        "steps": len(rows), "stalls_s": stalls(steps, chaos.learner_down),
+        "faults": dict(chaos.faults),
+        "rogue": {k: dict(v) for k, v in chaos.rogue_replies.items()},
+        "learner_exit": exit_code,
+        "learner_starts": 1 + chaos.faults["learner_kill"],
+        "steps": len(rows),
+        "stalls_s": stalls(steps, chaos.learner_down),
         "down_s": [round(b - a, 1) for a, b in chaos.learner_down],
-        "ledger": ledger, "ledger_counts": counts,
+        "ledger": ledger,
+        "ledger_counts": counts,
         "violations": sum(r["staleness_max"] > r["max_staleness"] for r in rows),
         "rejected": {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("hub/rejected")},
-        "peak_rss_mib": dict(watch.peak_mib), "leftovers": [f"{pid} {cmd[:80]}" for pid, cmd in leftovers.items()],
+        "peak_rss_mib": dict(watch.peak_mib),
+        "leftovers": [f"{pid} {cmd[:80]}" for pid, cmd in leftovers.items()],
         "orphans": chaos.orphans,
     }
 
@@ -371,19 +396,23 @@ def render(report: dict, header: str) -> str:
     lines = [header, "", "| | |", "|---|---|"]
     lines += [f"| fault: {k} | {v} |" for k, v in sorted(report["faults"].items())]
     lines += [f"| rogue group: {k} | {', '.join(f'{c} x{n}' for c, n in v.items())} |" for k, v in sorted(report["rogue"].items())]
-    lines += [f"| learner steps | {report['steps']} (learner exit {report['learner_exit']}, {report['learner_starts']} starts, "
-              f"down {report['down_s']} s) |",
-              f"| stalls > {STALL_S:.0f} s (learner up) | {len(report['stalls_s'])} {[round(s, 1) for s in report['stalls_s']]} |",
-              f"| ledger at the end | {report['ledger']} |",
-              f"| lost | {'0 (the learner exit checked the ledger)' if report['learner_exit'] == 0 else 'unknown: the learner failed'} |",
-              f"| trained twice | {'0 (Ledger.trained refuses a second time)' if report['learner_exit'] == 0 else 'unknown'} |",
-              f"| requeued | {sum(v for k, v in report['ledger_counts'].items() if k.startswith('requeued'))} "
-              f"{ {k: v for k, v in report['ledger_counts'].items() if k.startswith('requeued')} } |",
-              f"| staleness violations | {report['violations']} |",
-              f"| groups refused by the hub | {report['rejected']} |"]
+    lines += [
+        f"| learner steps | {report['steps']} (learner exit {report['learner_exit']}, {report['learner_starts']} starts, "
+        f"down {report['down_s']} s) |",
+        f"| stalls > {STALL_S:.0f} s (learner up) | {len(report['stalls_s'])} {[round(s, 1) for s in report['stalls_s']]} |",
+        f"| ledger at the end | {report['ledger']} |",
+        f"| lost | {'0 (the learner exit checked the ledger)' if report['learner_exit'] == 0 else 'unknown: the learner failed'} |",
+        f"| trained twice | {'0 (Ledger.trained refuses a second time)' if report['learner_exit'] == 0 else 'unknown'} |",
+        f"| requeued | {sum(v for k, v in report['ledger_counts'].items() if k.startswith('requeued'))} "
+        f"{ {k: v for k, v in report['ledger_counts'].items() if k.startswith('requeued')} } |",
+        f"| staleness violations | {report['violations']} |",
+        f"| groups refused by the hub | {report['rejected']} |",
+    ]
     lines += [f"| peak RSS: {k} | {v:.0f} MiB |" for k, v in sorted(report["peak_rss_mib"].items())]
-    lines += [f"| leftover processes after the stop | {len(report['leftovers'])} {report['leftovers']} |",
-              f"| engine processes alive {ORPHAN_WAIT_S:.0f} s after their actor's SIGKILL | {len(report['orphans'])} {report['orphans']} |"]
+    lines += [
+        f"| leftover processes after the stop | {len(report['leftovers'])} {report['leftovers']} |",
+        f"| engine processes alive {ORPHAN_WAIT_S:.0f} s after their actor's SIGKILL | {len(report['orphans'])} {report['orphans']} |",
+    ]
     return "\n".join(lines)
 
 

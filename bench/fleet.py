@@ -92,8 +92,15 @@ class Fleet:
     def find(self, name: str, event: str, pred: Callable[[Event], bool] = lambda e: True) -> list[Event]:
         return [e for e in self.log(name) if e["event"] == event and pred(e)]
 
-    def wait_for(self, name: str, event: str, pred: Callable[[Event], bool] = lambda e: True, timeout: float = 120.0,
-                 after: int = 0, poll_s: float = 0.005) -> Event:
+    def wait_for(
+        self,
+        name: str,
+        event: str,
+        pred: Callable[[Event], bool] = lambda e: True,
+        timeout: float = 120.0,
+        after: int = 0,
+        poll_s: float = 0.005,
+    ) -> Event:
         """The first `event` logged by `name` (from its `after`-th line on) matching `pred`; fails after `timeout`."""
         deadline = time.monotonic() + timeout
         while True:

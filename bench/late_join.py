@@ -67,14 +67,18 @@ def main() -> None:
                 print(f"trial {i}: " + "  ".join(f"{k} {v:.2f}" for k, v in rows[-1].items()), flush=True)
         finally:
             fleet.stop_all()
-    print(f"\nLate joiner: `fleetrl actor` start -> first accepted group, seconds ({len(rows)} trials; learner + 1 actor on "
-          "CPU 0, the joiner on CPU 1)")
+    print(
+        f"\nLate joiner: `fleetrl actor` start -> first accepted group, seconds ({len(rows)} trials; learner + 1 actor on "
+        "CPU 0, the joiner on CPU 1)"
+    )
     print(f"{'':>8}" + "".join(f"{p:>13}" for p in PHASES))
     for i, r in enumerate(rows):
         print(f"{'trial ' + str(i):>8}" + "".join(f"{r[p]:>13.2f}" for p in PHASES))
     print(f"{'median':>8}" + "".join(f"{statistics.median(r[p] for r in rows):>13.2f}" for p in PHASES))
-    print("its first group's staleness when accepted (learner version - its version): "
-          + ", ".join(str(int(r["learner_version"] - r["version"])) for r in rows))
+    print(
+        "its first group's staleness when accepted (learner version - its version): "
+        + ", ".join(str(int(r["learner_version"] - r["version"])) for r in rows)
+    )
 
 
 if __name__ == "__main__":

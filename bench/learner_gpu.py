@@ -38,8 +38,23 @@ SIDES = {"fleetrl": "FleetRL", "plain": "plain PyTorch"}
 
 def run_side(side: str, case: Case, args: argparse.Namespace, tmp: Path) -> dict:
     out = tmp / f"{case.name}-{side}.json"
-    cmd = [sys.executable, "-m", "bench.learner_gpu_sides", "--side", side, "--case", case.name, "--device", args.device,
-           "--warmup", str(args.warmup), "--updates", str(args.updates), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.learner_gpu_sides",
+        "--side",
+        side,
+        "--case",
+        case.name,
+        "--device",
+        args.device,
+        "--warmup",
+        str(args.warmup),
+        "--updates",
+        str(args.updates),
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -56,8 +71,10 @@ def _num(r: dict, key: str, fmt: str) -> str:
 
 
 def speed_table(cases: list[Case], results: dict, peak: float) -> list[str]:
-    lines = ["| case | loop | s/update | tokens/s | MFU | peak GiB | FleetRL / plain | loss, update 1 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| case | loop | s/update | tokens/s | MFU | peak GiB | FleetRL / plain | loss, update 1 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for case in cases:
         fleet, plain = results[case.name, "fleetrl"], results[case.name, "plain"]
         ratio = f"{fleet['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if "error" not in fleet and "error" not in plain else "-"
@@ -66,28 +83,36 @@ def speed_table(cases: list[Case], results: dict, peak: float) -> list[str]:
                 lines.append(f"| {case.name} | {SIDES[side]} | {r['error']} | | | | | |")
                 continue
             mfu = 6 * r["params"] * r["tokens_per_s"] / peak
-            lines.append(f"| {case.name} | {SIDES[side]} | {r['s_per_update']:.3f} | {r['tokens_per_s']:,.0f} | {mfu:.1%} | "
-                         f"{_num(r, 'peak_gib', '.1f')} | {ratio if side == 'fleetrl' else ''} | {r['first_loss']:.6f} |")
+            lines.append(
+                f"| {case.name} | {SIDES[side]} | {r['s_per_update']:.3f} | {r['tokens_per_s']:,.0f} | {mfu:.1%} | "
+                f"{_num(r, 'peak_gib', '.1f')} | {ratio if side == 'fleetrl' else ''} | {r['first_loss']:.6f} |"
+            )
     return lines
 
 
 def weight_table(cases: list[Case], results: dict) -> list[str]:
-    lines = ["| case | params | weights GB | snapshot GB/s | snapshot device | bucket copy GB/s | broadcast GB/s | backend |",
-             "|---|---:|---:|---:|---|---:|---:|---|"]
+    lines = [
+        "| case | params | weights GB | snapshot GB/s | snapshot device | bucket copy GB/s | broadcast GB/s | backend |",
+        "|---|---:|---:|---:|---|---:|---:|---|",
+    ]
     for case in cases:
         r = results[case.name, "fleetrl"]
         if "error" in r:
             lines.append(f"| {case.name} | {r['error']} | | | | | | |")
             continue
-        lines.append(f"| {case.name} | {r['params'] / 1e6:,.1f}M | {r['weight_gb']:.3f} | {r['snapshot_gbps']:,.1f} | "
-                     f"{r['snapshot_on']} | {r['bucket_gbps']:,.1f} | {r['broadcast_gbps']:,.1f} | {r['backend']} |")
+        lines.append(
+            f"| {case.name} | {r['params'] / 1e6:,.1f}M | {r['weight_gb']:.3f} | {r['snapshot_gbps']:,.1f} | "
+            f"{r['snapshot_on']} | {r['bucket_gbps']:,.1f} | {r['broadcast_gbps']:,.1f} | {r['backend']} |"
+        )
     return lines
 
 
 def settings(case: Case) -> str:
     ckpt = ", gradient checkpointing" if case.checkpointing else ""
-    return (f"- {case.name}: {case.shape} shape, {case.tokens_text} per update; FleetRL up to {case.token_budget} tokens "
-            f"per micro-batch; plain {case.plain_rows} padded rows per micro-batch{ckpt}")
+    return (
+        f"- {case.name}: {case.shape} shape, {case.tokens_text} per update; FleetRL up to {case.token_budget} tokens "
+        f"per micro-batch; plain {case.plain_rows} padded rows per micro-batch{ckpt}"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -123,8 +148,11 @@ def main() -> None:
         for case in cases:
             for side in SIDES:
                 r = results[case.name, side] = run_side(side, case, args, Path(tmp))
-                done = (f"{r['error']} {r.get('detail', '')}".strip() if "error" in r
-                        else f"{r['s_per_update']:.3f} s/update, {r['tokens_per_s']:,.0f} tokens/s")
+                done = (
+                    f"{r['error']} {r.get('detail', '')}".strip()
+                    if "error" in r
+                    else f"{r['s_per_update']:.3f} s/update, {r['tokens_per_s']:,.0f} tokens/s"
+                )
                 print(f"{case.name} {SIDES[side]}: {done}", flush=True)
     import torch
 
@@ -133,11 +161,15 @@ def main() -> None:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\ncommand: python -m bench.learner_gpu {' '.join(sys.argv[1:])}".rstrip())
     print(f"machine: {name}, torch {torch.__version__}, {now}")
-    print(f"MFU peak: {args.peak_tflops:g} TFLOP/s (--peak-tflops); MFU counts 6 x params per position, not the "
-          "recompute of gradient checkpointing\n")
+    print(
+        f"MFU peak: {args.peak_tflops:g} TFLOP/s (--peak-tflops); MFU counts 6 x params per position, not the "
+        "recompute of gradient checkpointing\n"
+    )
     print("\n".join(speed_table(cases, results, args.peak_tflops * 1e12)))
-    print(f"\n- tokens/s: prompt + completion positions per second of update, padding not counted. s/update and tokens/s "
-          f"are the median update's (by tokens/s) of {args.updates} timed after {args.warmup} warm-up.")
+    print(
+        f"\n- tokens/s: prompt + completion positions per second of update, padding not counted. s/update and tokens/s "
+        f"are the median update's (by tokens/s) of {args.updates} timed after {args.warmup} warm-up."
+    )
     print("- peak GiB: torch.cuda.max_memory_allocated over the side's updates, model and optimizer state included.")
     print("- loss, update 1: both loops start from the same weights and samples, so it agrees to rounding (bf16 on GPUs).")
     print("\n".join(settings(c) for c in cases))

@@ -19,13 +19,16 @@ from protocol.config import Config, load_config
 
 # Qwen2.5 shapes (their config.json files); each model ties the lm_head to the input embeddings.
 SHAPES: dict[str, dict[str, int]] = {
-    "Qwen2.5-0.5B": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936),
-    "Qwen2.5-1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936),
+    "Qwen2.5-0.5B": dict(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864, vocab_size=151936
+    ),
+    "Qwen2.5-1.5B": dict(
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936
+    ),
     # Smoke only: every code path in seconds on a CPU (GQA kept: 2 query heads share 1 kv head).
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                 intermediate_size=256, vocab_size=1000),
+    "tiny": dict(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256, vocab_size=1000
+    ),
 }
 
 
@@ -58,17 +61,54 @@ class Case:
 #   x 152k vocab per padded position (~2 MB): 8 rows of ~1.1k positions stay under about 60 GB at
 #   1.5B; 2 rows of up to 8k with checkpointing under about 40 GB at 0.5B (4 rows would need ~70 GB).
 CASES: dict[str, Case] = {
-    c.name: c for c in (
-        Case(name="1.5B-short", shape="Qwen2.5-1.5B", samples=64, group=8, prompt_len=128, completion=(256, 1024),
-             token_budget=8192, checkpointing=False, plain_rows=8),
-        Case(name="0.5B-short", shape="Qwen2.5-0.5B", samples=64, group=8, prompt_len=128, completion=(256, 1024),
-             token_budget=16384, checkpointing=False, plain_rows=8),
+    c.name: c
+    for c in (
+        Case(
+            name="1.5B-short",
+            shape="Qwen2.5-1.5B",
+            samples=64,
+            group=8,
+            prompt_len=128,
+            completion=(256, 1024),
+            token_budget=8192,
+            checkpointing=False,
+            plain_rows=8,
+        ),
+        Case(
+            name="0.5B-short",
+            shape="Qwen2.5-0.5B",
+            samples=64,
+            group=8,
+            prompt_len=128,
+            completion=(256, 1024),
+            token_budget=16384,
+            checkpointing=False,
+            plain_rows=8,
+        ),
         # 2k-8k tokens per sample in all: prompt 128 + completion 1920-8064.
-        Case(name="0.5B-long", shape="Qwen2.5-0.5B", samples=8, group=8, prompt_len=128, completion=(1920, 8064),
-             token_budget=32768, checkpointing=True, plain_rows=2),
+        Case(
+            name="0.5B-long",
+            shape="Qwen2.5-0.5B",
+            samples=8,
+            group=8,
+            prompt_len=128,
+            completion=(1920, 8064),
+            token_budget=32768,
+            checkpointing=True,
+            plain_rows=2,
+        ),
         # A budget below the update's tokens, so the smoke run cuts several micro-batches.
-        Case(name="tiny", shape="tiny", samples=16, group=8, prompt_len=16, completion=(16, 48),
-             token_budget=256, checkpointing=True, plain_rows=4),
+        Case(
+            name="tiny",
+            shape="tiny",
+            samples=16,
+            group=8,
+            prompt_len=16,
+            completion=(16, 48),
+            token_budget=256,
+            checkpointing=True,
+            plain_rows=4,
+        ),
     )
 }
 GPU_CASES = ("1.5B-short", "0.5B-short", "0.5B-long")
@@ -78,18 +118,30 @@ LOGPROB_CHUNK = 2048  # tokens per lm_head chunk: a ~1 GB float32 slice at 152k 
 def case_config(case: Case, dtype: str) -> Config:
     """FleetRL's settings for the case, as the overrides a user would pass."""
     lo, hi = case.completion
-    return load_config(None, [
-        f"model.dtype={dtype}", "cluster.learner_gpus_per_node=1", "train.zero_stage=2", "train.packing=true",
-        f"train.prompts_per_step={case.samples // case.group}", f"rollout.samples_per_prompt={case.group}",
-        "train.mini_batches=1", "train.ppo_epochs=1", "staleness.max_staleness=0",
-        f"rollout.max_tokens={hi}", f"actor.max_model_len={case.prompt_len + hi + 1}",
-        f"train.max_tokens_per_micro_batch={case.token_budget}",
-        f"train.gradient_checkpointing={str(case.checkpointing).lower()}", f"train.logprob_chunk_tokens={LOGPROB_CHUNK}",
-        # The plain loop's loss is the bare PPO clip; FleetRL's default off-policy correction (tis) adds a bound.
-        "algo.correction=none",
-        # Speed does not depend on the values; a small step keeps bf16 random weights from blowing up.
-        "train.lr=1e-6", "train.warmup_steps=0",
-    ])
+    return load_config(
+        None,
+        [
+            f"model.dtype={dtype}",
+            "cluster.learner_gpus_per_node=1",
+            "train.zero_stage=2",
+            "train.packing=true",
+            f"train.prompts_per_step={case.samples // case.group}",
+            f"rollout.samples_per_prompt={case.group}",
+            "train.mini_batches=1",
+            "train.ppo_epochs=1",
+            "staleness.max_staleness=0",
+            f"rollout.max_tokens={hi}",
+            f"actor.max_model_len={case.prompt_len + hi + 1}",
+            f"train.max_tokens_per_micro_batch={case.token_budget}",
+            f"train.gradient_checkpointing={str(case.checkpointing).lower()}",
+            f"train.logprob_chunk_tokens={LOGPROB_CHUNK}",
+            # The plain loop's loss is the bare PPO clip; FleetRL's default off-policy correction (tis) adds a bound.
+            "algo.correction=none",
+            # Speed does not depend on the values; a small step keeps bf16 random weights from blowing up.
+            "train.lr=1e-6",
+            "train.warmup_steps=0",
+        ],
+    )
 
 
 def build_model(case: Case, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -116,9 +168,16 @@ def update_data(cfg: Config, case: Case, updates: int) -> list[Update]:
     out = []
     for u in range(updates):
         # Behaviour logprobs near a random model's own (-ln vocab), so ratios start near 1 as in training.
-        groups = synthetic_groups(groups=case.samples // case.group, samples=case.group, seed=u, version=u,
-                                  prompt_len=case.prompt_len, completion=case.completion, vocab=(3, vocab),
-                                  behaviour_logp=-math.log(vocab))
+        groups = synthetic_groups(
+            groups=case.samples // case.group,
+            samples=case.group,
+            seed=u,
+            version=u,
+            prompt_len=case.prompt_len,
+            completion=case.completion,
+            vocab=(3, vocab),
+            behaviour_logp=-math.log(vocab),
+        )
         shares, advantages = make_shares(cfg, groups, u, 0, 1)
         samples = [s for g, adv in zip(groups, advantages, strict=True) for s in group_samples(g, adv)]
         out.append(Update(share=shares[0], samples=samples))

@@ -88,8 +88,14 @@ def weight_rates(trainer, dtype: torch.dtype, bucket_mb: int, reps: int, device:
     store = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=120)
     group = wg.open_group(store, "127.0.0.1", 1, 0, plan.world_size, 120, plan.backend, on)
     broadcast_s = _median_s(lambda: [wg.broadcast(group, f) for f in flats], reps, device)
-    return {"weight_gb": nbytes / 1e9, "snapshot_gbps": nbytes / 1e9 / snapshot_s, "snapshot_on": flats[0].device.type,
-            "bucket_gbps": nbytes / 1e9 / bucket_s, "broadcast_gbps": nbytes / 1e9 / broadcast_s, "backend": plan.backend}
+    return {
+        "weight_gb": nbytes / 1e9,
+        "snapshot_gbps": nbytes / 1e9 / snapshot_s,
+        "snapshot_on": flats[0].device.type,
+        "bucket_gbps": nbytes / 1e9 / bucket_s,
+        "broadcast_gbps": nbytes / 1e9 / broadcast_s,
+        "backend": plan.backend,
+    }
 
 
 def run_fleetrl(case: Case, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> dict:
@@ -119,8 +125,14 @@ def run_plain(case: Case, device: torch.device, dtype: torch.dtype, args: argpar
     cfg = case_config(case, str(dtype).removeprefix("torch."))
     model = build_model(case, device, dtype)
     params = sum(p.numel() for p in model.parameters())
-    loop = PlainLoop(model, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip, clip=(cfg.algo.clip_low, cfg.algo.clip_high),
-                     rows=case.plain_rows, checkpointing=case.checkpointing)
+    loop = PlainLoop(
+        model,
+        lr=cfg.train.lr,
+        grad_clip=cfg.train.grad_clip,
+        clip=(cfg.algo.clip_low, cfg.algo.clip_high),
+        rows=case.plain_rows,
+        checkpointing=case.checkpointing,
+    )
     out = timed_updates(lambda u: loop.update(u.samples), update_data(cfg, case, args.warmup + args.updates), args.warmup, device)
     return {**out, "params": params}
 

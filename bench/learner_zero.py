@@ -23,8 +23,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = ["train.prompts_per_step=8", "rollout.samples_per_prompt=8", "train.micro_batch_samples=8", "rollout.max_tokens=128", "actor.max_model_len=256",
-            "cluster.learner_gpus_per_node=2", "staleness.max_staleness=0", "train.threads=1"]
+SETTINGS = [
+    "train.prompts_per_step=8",
+    "rollout.samples_per_prompt=8",
+    "train.micro_batch_samples=8",
+    "rollout.max_tokens=128",
+    "actor.max_model_len=256",
+    "cluster.learner_gpus_per_node=2",
+    "staleness.max_staleness=0",
+    "train.threads=1",
+]
 
 
 def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: list[str]) -> None:
@@ -51,8 +59,16 @@ def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: li
         if update == warmup:
             torch.distributed.barrier()
             t0 = time.perf_counter()
-        groups = synthetic_groups(groups=cfg.train.prompts_per_step, samples=cfg.rollout.samples_per_prompt, seed=update,
-                                  version=version, prompt_len=32, completion=(32, 128), vocab=(3, 1000), behaviour_logp=-7.0)
+        groups = synthetic_groups(
+            groups=cfg.train.prompts_per_step,
+            samples=cfg.rollout.samples_per_prompt,
+            seed=update,
+            version=version,
+            prompt_len=32,
+            completion=(32, 128),
+            vocab=(3, 1000),
+            behaviour_logp=-7.0,
+        )
         shares = make_shares(cfg, groups, version, 0, topo.dp_size)[0] if topo.is_root else None
         stats = trainer.update(scatter_shares(topo, shares))
         flats = trainer.snapshot(buckets, torch.float32, flats)
@@ -68,8 +84,22 @@ def run_stage(model_dir: Path, label: str, overrides: list[str], args) -> dict:
     from protocol.net import free_port
 
     out = model_dir.parent / f"{label}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(Path(__file__).resolve()), "--rank", str(model_dir), str(out), str(args.warmup), str(args.updates), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(Path(__file__).resolve()),
+        "--rank",
+        str(model_dir),
+        str(out),
+        str(args.warmup),
+        str(args.updates),
+        *overrides,
+    ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

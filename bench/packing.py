@@ -52,8 +52,12 @@ def _attention_times(lengths: list[int]) -> tuple[int, float, float]:
 
 def attention_table(rng: np.random.Generator) -> None:
     print("| samples x tokens | N | masked SDPA ms | varlen ms | speed-up |\n|---|---:|---:|---:|---:|")
-    cases = {"64 x 24": [24] * 64, "64 x 8..40": rng.integers(8, 41, 64).tolist(), "16 x 256": [256] * 16,
-             "8 x 100..1000": rng.integers(100, 1001, 8).tolist()}
+    cases = {
+        "64 x 24": [24] * 64,
+        "64 x 8..40": rng.integers(8, 41, 64).tolist(),
+        "16 x 256": [256] * 16,
+        "8 x 100..1000": rng.integers(100, 1001, 8).tolist(),
+    }
     for name, lengths in cases.items():
         n, masked, varlen = _attention_times(lengths)
         print(f"| {name} | {n} | {masked * 1e3:.0f} | {varlen * 1e3:.0f} | {masked / varlen:.1f}x |")
@@ -62,27 +66,43 @@ def attention_table(rng: np.random.Generator) -> None:
 def model_table(rng: np.random.Generator) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     print("\n| micro-batch | padded efficiency | padded s | packed s | speed-up |\n|---|---:|---:|---:|---:|")
-    cases = {"16 long-tail, 40 + lognormal(5, 0.9)": (40 + rng.lognormal(5.0, 0.9, 16)).astype(int).tolist(),
-             "64 of 26..64": (25 + rng.integers(1, 40, 64)).tolist(),
-             "64 of 22..25 (demo-like, near uniform)": (21 + rng.integers(1, 5, 64)).tolist()}
+    cases = {
+        "16 long-tail, 40 + lognormal(5, 0.9)": (40 + rng.lognormal(5.0, 0.9, 16)).astype(int).tolist(),
+        "64 of 26..64": (25 + rng.integers(1, 40, 64)).tolist(),
+        "64 of 22..25 (demo-like, near uniform)": (21 + rng.integers(1, 5, 64)).tolist(),
+    }
     for name, lengths in cases.items():
-        samples = [Sample(tokens=rng.integers(0, 256, n).astype(np.int32), prompt_len=20,
-                          behaviour_logprobs=np.zeros(n - 20, np.float32), advantage=1.0, reward=0.0,
-                          version_min=0, version_max=0) for n in lengths]
+        samples = [
+            Sample(
+                tokens=rng.integers(0, 256, n).astype(np.int32),
+                prompt_len=20,
+                behaviour_logprobs=np.zeros(n - 20, np.float32),
+                advantage=1.0,
+                reward=0.0,
+                version_min=0,
+                version_max=0,
+            )
+            for n in lengths
+        ]
         times = {}
         for layout, build, attention in (("padded", make_micro_batch, "sdpa"), ("packed", pack_samples, VARLEN)):
             model.set_attn_implementation(attention)
             batch = build(samples, 0)
-            times[layout] = _best(
-                lambda b=batch: token_logprobs(model(**b.model_kwargs()).logits, b, 1.0).sum().backward(), 2)
+            times[layout] = _best(lambda b=batch: token_logprobs(model(**b.model_kwargs()).logits, b, 1.0).sum().backward(), 2)
         eff = packing_efficiency(lengths)
-        print(f"| {name} | {eff.padded:.2f} | {times['padded']:.2f} | {times['packed']:.2f} | "
-              f"{times['padded'] / times['packed']:.2f}x |")
+        print(f"| {name} | {eff.padded:.2f} | {times['padded']:.2f} | {times['packed']:.2f} | {times['padded'] / times['packed']:.2f}x |")
 
 
 def main() -> None:

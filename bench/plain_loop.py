@@ -41,8 +41,7 @@ def ppo_loss(model: torch.nn.Module, rows: dict[str, torch.Tensor], total_tokens
 
 
 class PlainLoop:
-    def __init__(self, model: torch.nn.Module, *, lr: float, grad_clip: float, clip: tuple[float, float], rows: int,
-                 checkpointing: bool):
+    def __init__(self, model: torch.nn.Module, *, lr: float, grad_clip: float, clip: tuple[float, float], rows: int, checkpointing: bool):
         self.model, self.grad_clip, self.clip, self.rows = model, grad_clip, clip, rows
         device = next(model.parameters()).device
         self.device = device
@@ -51,8 +50,7 @@ class PlainLoop:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
         model.train()
         # The fused kernel is CUDA-only here; the CPU smoke run takes the default implementation.
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
-                                     fused=device.type == "cuda")
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0, fused=device.type == "cuda")
 
     def update(self, samples: list[Sample]) -> float:
         """One optimizer step over `samples`, `rows` padded rows per forward/backward; returns the loss."""

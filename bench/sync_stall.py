@@ -70,11 +70,15 @@ def main() -> None:
     med = {k: statistics.median(s[k] for s in syncs) for k in ("paused_s", "recv_load_s", "repack_s", "join_s")}
     control = statistics.median(s["paused_s"] - s["recv_load_s"] - s["repack_s"] - s["join_s"] for s in syncs)
     raw_s = statistics.median(raw)
-    print(f"\nGeneration stall per weight sync: {params:,} fp32 parameters ({nbytes / 2**20:.1f} MiB), {bucket_mb} MiB buckets, "
-          f"median of {len(syncs)} syncs; raw = one flat broadcast of the same bytes, median of {len(raw)}")
+    print(
+        f"\nGeneration stall per weight sync: {params:,} fp32 parameters ({nbytes / 2**20:.1f} MiB), {bucket_mb} MiB buckets, "
+        f"median of {len(syncs)} syncs; raw = one flat broadcast of the same bytes, median of {len(raw)}"
+    )
     print(f"{'stall s':>9}{'recv+load s':>13}{'repack s':>10}{'control s':>11}{'raw s':>9}{'stall / raw':>13}{'recv+load / raw':>17}")
-    print(f"{med['paused_s']:>9.4f}{med['recv_load_s']:>13.4f}{med['repack_s']:>10.4f}{control:>11.4f}{raw_s:>9.4f}"
-          f"{med['paused_s'] / raw_s:>13.1f}{med['recv_load_s'] / raw_s:>17.1f}")
+    print(
+        f"{med['paused_s']:>9.4f}{med['recv_load_s']:>13.4f}{med['repack_s']:>10.4f}{control:>11.4f}{raw_s:>9.4f}"
+        f"{med['paused_s'] / raw_s:>13.1f}{med['recv_load_s'] / raw_s:>17.1f}"
+    )
 
 
 if __name__ == "__main__":

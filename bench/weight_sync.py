@@ -111,8 +111,10 @@ def main() -> None:
     args = ap.parse_args()
     shapes = shapes_for(args.mb, args.tensors)
     layout = "separate tensors" if args.separate else "views of one flat buffer (ZeRO-1/2)"
-    print(f"\n{args.mb} MiB in {args.tensors} fp32 tensors ({layout}), {args.bucket_mb} MiB buckets, gloo on loopback, "
-          f"median of {args.trials} trials [min-max]")
+    print(
+        f"\n{args.mb} MiB in {args.tensors} fp32 tensors ({layout}), {args.bucket_mb} MiB buckets, gloo on loopback, "
+        f"median of {args.trials} trials [min-max]"
+    )
     print(f"{'receivers':>9}{'raw s':>8}{'guarded s':>11}{'ratio':>16}{'snapshot s':>12}{'held s':>8}{'ratio':>16}")
     for receivers in (1, 2):
         t = measure(receivers, shapes, args.bucket_mb, args.trials, args.separate)
@@ -120,9 +122,11 @@ def main() -> None:
         for mode in ("guarded", "snapshot"):
             ratios = [r / x for r, x in zip(t["raw"], t[mode], strict=True)]
             spread = f"[{min(ratios):.2f}-{max(ratios):.2f}]"
-            cells.append(f"{statistics.median(t[mode]):>{11 if mode == 'guarded' else 12}.3f}"
-                         + (f"{statistics.median(t['held']):>8.3f}" if mode == "snapshot" else "")
-                         + f"{statistics.median(ratios):>6.2f} {spread:>9}")
+            cells.append(
+                f"{statistics.median(t[mode]):>{11 if mode == 'guarded' else 12}.3f}"
+                + (f"{statistics.median(t['held']):>8.3f}" if mode == "snapshot" else "")
+                + f"{statistics.median(ratios):>6.2f} {spread:>9}"
+            )
         print(f"{receivers:>9}{statistics.median(t['raw']):>8.3f}{cells[0]}{cells[1]}")
     print("\nratio = raw s / FleetRL s, per trial (higher is better); target >= 0.9. See --help for what each column includes.")
 

@@ -35,8 +35,10 @@ def check_model(cfg: Config) -> Model:
     tokenizer = load_tokenizer(cfg.model.path)
     limit = getattr(config, "max_position_embeddings", None)
     if limit and not getattr(config, "rope_scaling", None) and cfg.actor.max_model_len > limit:
-        raise ConfigError(f"actor.max_model_len: {cfg.actor.max_model_len} exceeds the model's max_position_embeddings "
-                          f"{limit} ({cfg.model.path}/config.json); lower actor.max_model_len")
+        raise ConfigError(
+            f"actor.max_model_len: {cfg.actor.max_model_len} exceeds the model's max_position_embeddings "
+            f"{limit} ({cfg.model.path}/config.json); lower actor.max_model_len"
+        )
     return Model(config, tokenizer)
 
 
@@ -54,8 +56,9 @@ def check_reward_import(cfg: Config) -> Any:
     try:
         return load_reward(spec)
     except ValueError as e:  # load_reward's messages name rollout.reward_fn already
-        raise ConfigError(f"{e}; set rollout.reward_fn to a package.module:function importable here (installed, "
-                          "or its folder on PYTHONPATH)") from e
+        raise ConfigError(
+            f"{e}; set rollout.reward_fn to a package.module:function importable here (installed, or its folder on PYTHONPATH)"
+        ) from e
     except Exception as e:  # the module itself raised as it was imported (SyntaxError, NameError, ...): the user's code
         raise ConfigError(f"rollout.reward_fn: importing {spec.partition(':')[0]!r} raised {first_line(e)}") from e
 
@@ -65,8 +68,9 @@ def score_sample(cfg: Config, prompt: Any) -> Any:
     from actors.rewards import RewardContext, parse_metadata
     from actors.rewards.pool import RewardPool
 
-    ctx = RewardContext(completion=prompt.answer, prompt=prompt.text, answer=prompt.answer,
-                        metadata=parse_metadata(prompt.metadata), finish_reason="stop")
+    ctx = RewardContext(
+        completion=prompt.answer, prompt=prompt.text, answer=prompt.answer, metadata=parse_metadata(prompt.metadata), finish_reason="stop"
+    )
 
     async def score() -> Any:
         pool = RewardPool(cfg.rollout.reward_fn, 1, cfg.rollout.reward_timeout_s)
@@ -82,8 +86,10 @@ def score_sample(cfg: Config, prompt: Any) -> Any:
     except ValueError as e:  # the worker could not load the function
         raise ConfigError(str(e)) from e
     if outcome.error is not None:
-        raise ConfigError(f"rollout.reward_fn: {cfg.rollout.reward_fn} failed on the sample above ({outcome.error}); "
-                          "the actors would score such completions 0 and count a reward error")
+        raise ConfigError(
+            f"rollout.reward_fn: {cfg.rollout.reward_fn} failed on the sample above ({outcome.error}); "
+            "the actors would score such completions 0 and count a reward error"
+        )
     return outcome
 
 
@@ -99,20 +105,28 @@ def run_check(cfg: Config, out: TextIO) -> None:
     # token id past them means the tokenizer belongs to another model.
     added = set(getattr(tok, "added_tokens_decoder", {}))
     vocab, top = getattr(c, "vocab_size", None), max(i for i in tok.get_vocab().values() if i not in added)
-    show("model", f"{cfg.model.path}: {getattr(c, 'model_type', '?')}, {getattr(c, 'num_hidden_layers', '?')} layers, "
-                  f"hidden {getattr(c, 'hidden_size', '?')}, vocabulary {getattr(c, 'vocab_size', '?')}; tokenizer "
-                  f"{type(tok).__name__} with {len(tok)} tokens, eos {tok.eos_token!r}, chat template "
-                  f"{'yes' if getattr(tok, 'chat_template', None) else 'no'}")
+    show(
+        "model",
+        f"{cfg.model.path}: {getattr(c, 'model_type', '?')}, {getattr(c, 'num_hidden_layers', '?')} layers, "
+        f"hidden {getattr(c, 'hidden_size', '?')}, vocabulary {getattr(c, 'vocab_size', '?')}; tokenizer "
+        f"{type(tok).__name__} with {len(tok)} tokens, eos {tok.eos_token!r}, chat template "
+        f"{'yes' if getattr(tok, 'chat_template', None) else 'no'}",
+    )
     if vocab is not None and top >= vocab:
-        raise ConfigError(f"model.path: the tokenizer's ids reach {top} but the model's vocabulary is {vocab} "
-                          f"({cfg.model.path}/config.json vocab_size): the tokenizer comes from another model")
+        raise ConfigError(
+            f"model.path: the tokenizer's ids reach {top} but the model's vocabulary is {vocab} "
+            f"({cfg.model.path}/config.json vocab_size): the tokenizer comes from another model"
+        )
     if cfg.algo.advantage == "gae" and cfg.algo.critic_path:
         show("critic", f"{cfg.algo.critic_path}: config.json found")
     data = check_data(cfg, tok)
     sets = {"train": data.train, **data.eval_sets()}
     source = "the built-in addition task" if cfg.data.task == "addition" else cfg.data.path
-    show("data", f"{source}: " + ", ".join(f"{name} {len(s)} prompts" + (f" ({s.dropped} too long, dropped)" if s.dropped else "")
-                                           for name, s in sets.items()))
+    show(
+        "data",
+        f"{source}: "
+        + ", ".join(f"{name} {len(s)} prompts" + (f" ({s.dropped} too long, dropped)" if s.dropped else "") for name, s in sets.items()),
+    )
     first = data.train[0]
     show("", f"the first training prompt as the model sees it ({len(first.tokens)} tokens):")
     for line in _clip(first.text).splitlines() or [""]:
@@ -122,8 +136,7 @@ def run_check(cfg: Config, out: TextIO) -> None:
     form = "RewardContext" if reward.takes_context else "(completion, answer)"
     outcome = score_sample(cfg, first)
     parts = f", parts {json.dumps(outcome.parts)}" if outcome.parts else ""
-    show("reward", f"{cfg.rollout.reward_fn} ({form} form): the answer above as a stopped completion scores "
-                   f"{outcome.score:g}{parts}")
+    show("reward", f"{cfg.rollout.reward_fn} ({form} form): the answer above as a stopped completion scores {outcome.score:g}{parts}")
     print("ok: model, tokenizer, data and reward load; nothing was started", file=out)
 
 

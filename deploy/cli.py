@@ -56,8 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p_learner = sub.add_parser("learner", help="run the learner (rank 0 hosts the hub)")
     p_learner.add_argument("--config", default=None, help="TOML file (required unless --resume: then RUN_DIR/config.toml)")
-    p_learner.add_argument("--resume", default=None, metavar="RUN_DIR",
-                           help="continue the run in RUN_DIR from its newest complete checkpoint (run.dir is set to RUN_DIR)")
+    p_learner.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest complete checkpoint (run.dir is set to RUN_DIR)",
+    )
     p_actor = sub.add_parser("actor", help="run one actor (one inference engine)")
     p_actor.add_argument("--learner", required=True, help="hub address, tcp://HOST:PORT")
     p_actor.add_argument("--config", required=True)
@@ -67,16 +71,20 @@ def _parser() -> argparse.ArgumentParser:
     p_plan = sub.add_parser("plan", help="print the run's plan (placement, batch arithmetic, run length, memory)")
     p_plan.add_argument("--check", action="store_true", help="then run `fleetrl check` on the same config")
     p_check = sub.add_parser("check", help="verify that the model, tokenizer, data and reward load; starts nothing")
-    p_config = sub.add_parser("config", help="print every config field with its default and doc (--list), "
-                                             "or a config file resolved")
+    p_config = sub.add_parser("config", help="print every config field with its default and doc (--list), or a config file resolved")
     p_config.add_argument("--list", action="store_true", help="every field, its default and its doc, as TOML")
     for p in (p_plan, p_check, p_config):
         p.add_argument("config_file", nargs="?", default=None, metavar="CONFIG", help="TOML file (or --config FILE)")
         p.add_argument("--config", default=None, help="TOML file")
     p_keys = sub.add_parser("keys", help="generate CURVE keys: the learner's key pair and one key pair per client")
     p_keys.add_argument("--out", required=True, help="key folder (created; an existing server key is kept)")
-    p_keys.add_argument("--client", action="append", default=[], metavar="NAME",
-                        help="a client key pair to add (repeat; default: one named 'actors' when DIR is new)")
+    p_keys.add_argument(
+        "--client",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a client key pair to add (repeat; default: one named 'actors' when DIR is new)",
+    )
     for p in (p_learner, p_actor, p_demo, p_plan, p_check, p_config):
         p.add_argument("overrides", nargs="*", metavar="section.field=value")
     _add_ops_commands(sub)
@@ -151,8 +159,9 @@ def _run_offline(args: argparse.Namespace) -> int:
             raise UsageError(f"--list [PREFIX]: unexpected {' '.join(args.overrides)}")
         text = render_fields(prefix)
         if not text:
-            raise UsageError(f"--list {prefix}: no field's name starts with {prefix!r} (sections: "
-                             f"{', '.join(name for name, _ in sections())})")
+            raise UsageError(
+                f"--list {prefix}: no field's name starts with {prefix!r} (sections: {', '.join(name for name, _ in sections())})"
+            )
         print(text, end="")
         return 0
     path, overrides = _config_argument(args)
@@ -185,8 +194,7 @@ def _config_argument(args: argparse.Namespace) -> tuple[str, list[str]]:
             overrides.insert(0, args.config_file)
         return args.config, overrides
     if args.config_file is None or "=" in args.config_file:
-        raise UsageError(f"a config file is required: fleetrl {args.command} CONFIG [section.field=value ...] "
-                         "(or --config CONFIG)")
+        raise UsageError(f"a config file is required: fleetrl {args.command} CONFIG [section.field=value ...] (or --config CONFIG)")
     return args.config_file, overrides
 
 
@@ -212,8 +220,9 @@ def check_address(address: str, name: str) -> None:
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise UsageError(f"{name} {address}: host {host!r} does not resolve ({e.strerror}); "
-                         "give the learner node's name or IP address") from e
+        raise UsageError(
+            f"{name} {address}: host {host!r} does not resolve ({e.strerror}); give the learner node's name or IP address"
+        ) from e
 
 
 def _learner_config(args: argparse.Namespace) -> tuple[str, list[str]]:
@@ -277,10 +286,12 @@ def _keys(out: str, clients: list[str]) -> int:
         return 2
     for path in written:
         print(f"wrote {path}")
-    print(f"learner: auth.server_secret={folder / 'server.key_secret'} auth.authorized={folder / 'authorized'}\n"
-          f"clients: auth.server_key={folder / 'server.key'} auth.client_key={folder / 'clients'}/NAME.key_secret\n"
-          "Copy server.key and one clients/NAME.key_secret to each client node; keep the secrets mode 0600. "
-          "A running learner admits a key added to authorized/ within a second; delete the file to revoke it.")
+    print(
+        f"learner: auth.server_secret={folder / 'server.key_secret'} auth.authorized={folder / 'authorized'}\n"
+        f"clients: auth.server_key={folder / 'server.key'} auth.client_key={folder / 'clients'}/NAME.key_secret\n"
+        "Copy server.key and one clients/NAME.key_secret to each client node; keep the secrets mode 0600. "
+        "A running learner admits a key added to authorized/ within a second; delete the file to revoke it."
+    )
     return 0
 
 
@@ -290,13 +301,27 @@ def _exec_torchrun(cfg, ranks: int, argv: list[str]) -> int:
     Several nodes need one torchrun per node with a shared rendezvous: deploy/learner.sh.
     """
     if cfg.cluster.learner_nodes > 1 and not cfg.cluster.debug_gpus:
-        raise ConfigError(f"cluster.learner_nodes: {cfg.cluster.learner_nodes} nodes: start each node with "
-                          "deploy/learner.sh (torchrun with a shared rendezvous)")
+        raise ConfigError(
+            f"cluster.learner_nodes: {cfg.cluster.learner_nodes} nodes: start each node with "
+            "deploy/learner.sh (torchrun with a shared rendezvous)"
+        )
     from protocol.net import free_port
 
     # deploy/torchrun.py is torchrun with our error boundary: one line per distinct rank error, not N tracebacks.
-    cmd = [sys.executable, "-m", "deploy.torchrun", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "deploy.cli", *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.torchrun",
+        "--nproc-per-node",
+        str(ranks),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "deploy.cli",
+        *argv,
+    ]
     os.execv(sys.executable, cmd)  # keeps the PID: a supervisor's SIGTERM reaches torchrun, which stops every rank
     return 1  # not reached
 

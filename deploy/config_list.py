@@ -173,8 +173,7 @@ def render_markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.config_list",
-                                     description="every config field with its default and its doc")
+    parser = argparse.ArgumentParser(prog="python -m deploy.config_list", description="every config field with its default and its doc")
     parser.add_argument("prefix", nargs="?", default="", help="only fields whose dotted name starts so (TOML only)")
     parser.add_argument("--markdown", action="store_true", help="the page docs/configuration.md instead of TOML")
     args = parser.parse_args(argv)

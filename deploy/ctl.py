@@ -42,8 +42,10 @@ def request(addr: str, msg: m.Message, timeout_s: float = 5.0, keys: ClientKeys 
         ready = dict(poller.poll(int(timeout_s * 1000)))
         if monitor in ready and sock not in ready:
             status = parse_monitor_message(monitor.recv_multipart())["value"]
-            raise NoReply(f"{addr} refused this client's key (ZAP status {status}); add its public key to the learner's "
-                          "auth.authorized folder (`fleetrl keys --client NAME` writes one)")
+            raise NoReply(
+                f"{addr} refused this client's key (ZAP status {status}); add its public key to the learner's "
+                "auth.authorized folder (`fleetrl keys --client NAME` writes one)"
+            )
         if sock not in ready:
             hint = "" if keys is not None else " A hub with CURVE on answers only clients with keys (--server-key, --client-key)."
             raise NoReply(f"no reply from {addr} in {timeout_s:g} s; is the learner running there (hub.bind)?{hint}")

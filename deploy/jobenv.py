@@ -17,8 +17,9 @@ from protocol.config import Config, ConfigError, load_config
 def job_env(cfg: Config) -> dict[str, str]:
     c = cfg.cluster
     if c.actor_gpus_per_node % c.tensor_parallel_size:
-        raise ConfigError(f"cluster.tensor_parallel_size: {c.tensor_parallel_size} does not divide "
-                          f"cluster.actor_gpus_per_node = {c.actor_gpus_per_node}")
+        raise ConfigError(
+            f"cluster.tensor_parallel_size: {c.tensor_parallel_size} does not divide cluster.actor_gpus_per_node = {c.actor_gpus_per_node}"
+        )
     port = cfg.hub.bind.rpartition(":")[2]
     if not port.isdigit():
         raise ConfigError(f"hub.bind: {cfg.hub.bind!r} has no port (expected tcp://HOST:PORT)")

@@ -159,8 +159,11 @@ def run_demo(cfg: Config) -> int:
     def start() -> None:
         sup.start("learner", [*cli, "learner", "--config", str(config_file)])
         for i in range(cfg.demo.num_actors):
-            sup.start(f"actor{i}", [*cli, "actor", "--learner", connect_address(cfg.hub.bind), "--config", str(config_file), "--id", f"actor{i}"],
-                      env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")})
+            sup.start(
+                f"actor{i}",
+                [*cli, "actor", "--learner", connect_address(cfg.hub.bind), "--config", str(config_file), "--id", f"actor{i}"],
+                env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")},
+            )
 
     code = supervise(sup, start, "learner")
     if code >= 128:  # stopped by a signal: the run is cut short, no summary
@@ -179,5 +182,8 @@ def summarize(run_dir: Path) -> None:
     n = max(1, len(rows) // 5)
     first = sum(r["reward_mean"] for r in rows[:n]) / n
     last = sum(r["reward_mean"] for r in rows[-n:]) / n
-    print(f"\nFleetRL demo: {len(rows)} steps in {rows[-1]['wall_s']:.0f} s of training; "
-          f"mean reward {first:.3f} (first {n} steps) -> {last:.3f} (last {n}); run directory {run_dir}", flush=True)
+    print(
+        f"\nFleetRL demo: {len(rows)} steps in {rows[-1]['wall_s']:.0f} s of training; "
+        f"mean reward {first:.3f} (first {n} steps) -> {last:.3f} (last {n}); run directory {run_dir}",
+        flush=True,
+    )

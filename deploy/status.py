@@ -40,24 +40,48 @@ def _age(seconds: float) -> str:
 def render(r: m.StatusReply, addr: str) -> RenderableType:
     state = "training" if r.training else "waiting for rollouts"
     head = Text.assemble(
-        ("FleetRL learner ", "bold"), addr, f"   up {_age(r.uptime_s)}\n",
-        "version ", (str(r.policy_version), "bold"), f" ({r.updates} updates, S = {r.steps_per_update})   ",
-        "k = ", (str(r.max_staleness), "bold"), f"   {state}\n",
+        ("FleetRL learner ", "bold"),
+        addr,
+        f"   up {_age(r.uptime_s)}\n",
+        "version ",
+        (str(r.policy_version), "bold"),
+        f" ({r.updates} updates, S = {r.steps_per_update})   ",
+        "k = ",
+        (str(r.max_staleness), "bold"),
+        f"   {state}\n",
         f"last update {r.step_s:.3f} s   ",
-        (f"last weight sync {_age(r.sync_age_s)} ago: held the learner {r.sync_s:.3f} s, broadcast {r.broadcast_s:.3f} s"
-         if r.syncs else "no weight sync yet"), "\n",
+        (
+            f"last weight sync {_age(r.sync_age_s)} ago: held the learner {r.sync_s:.3f} s, broadcast {r.broadcast_s:.3f} s"
+            if r.syncs
+            else "no weight sync yet"
+        ),
+        "\n",
         f"ledger: pending {r.pending}  granted {r.granted}  received {r.received}  trained {r.trained}   "
         f"buffered {r.buffered}   dropped stale {r.dropped_stale} (requeued)",
     )
     actors = Table(title=f"actors ({len(r.actor_ids)})", title_justify="left")
-    for name, justify in (("actor", "left"), ("version", "right"), ("behind", "right"), ("samples/s", "right"),
-                          ("groups", "right"), ("leases", "right"), ("heartbeat", "right")):
+    for name, justify in (
+        ("actor", "left"),
+        ("version", "right"),
+        ("behind", "right"),
+        ("samples/s", "right"),
+        ("groups", "right"),
+        ("leases", "right"),
+        ("heartbeat", "right"),
+    ):
         actors.add_column(name, justify=justify)  # type: ignore[arg-type]
     for i, actor_id in enumerate(r.actor_ids):
         served = int(r.actor_served_version[i])
         age = float(r.actor_heartbeat_age_s[i])
-        actors.add_row(actor_id, str(served), str(r.policy_version - served), f"{float(r.actor_samples_per_s[i]):.1f}",
-                       str(int(r.actor_groups[i])), str(int(r.actor_leases[i])), Text(f"{age:.1f}s ago", style="red" if age > 10 else ""))
+        actors.add_row(
+            actor_id,
+            str(served),
+            str(r.policy_version - served),
+            f"{float(r.actor_samples_per_s[i]):.1f}",
+            str(int(r.actor_groups[i])),
+            str(int(r.actor_leases[i])),
+            Text(f"{age:.1f}s ago", style="red" if age > 10 else ""),
+        )
     taken = int(r.staleness_counts.sum())
     hist = Table(title=f"staleness (u + S - 1) - v of the last {taken} groups trained (k = {r.max_staleness})", title_justify="left")
     hist.add_column("staleness", justify="right")

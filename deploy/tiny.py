@@ -22,9 +22,7 @@ def build_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", model_max_length=256
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", model_max_length=256)
 
 
 def build_model(vocab_size: int, seed: int, hidden: int = 128, layers: int = 2, heads: int = 2):

@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                 return USER_ERROR if any_user else 1
             for rank, failure in sorted(e.failures.items()):
                 how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-                print(f"fleetrl learner: rank {rank} died ({how}) without an error; see its log in RUN_DIR/logs",
-                      file=sys.stderr)
+                print(f"fleetrl learner: rank {rank} died ({how}) without an error; see its log in RUN_DIR/logs", file=sys.stderr)
             return 1
 
 

@@ -100,8 +100,9 @@ def filesystem_type(path: Path) -> str:
         return ""
 
 
-def clear_stale_build_locks(log: Any, root: Path | None = None, sleep: Callable[[float], None] = time.sleep,
-                            clock: Callable[[], float] = time.monotonic) -> list[Path]:
+def clear_stale_build_locks(
+    log: Any, root: Path | None = None, sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic
+) -> list[Path]:
     """Remove the build locks under `root` (default: `extensions_root()`) that are certainly stale; return them.
 
     Returns when no lock is left but live ones (open here, left to torch). Waits, with a warning every
@@ -140,16 +141,23 @@ def clear_stale_build_locks(log: Any, root: Path | None = None, sleep: Callable[
                 log.warning("learner.build_lock_kept", lock=str(lock), error=str(e))
                 continue
             removed.append(lock)
-            log.warning("learner.build_lock_removed", lock=str(lock), filesystem=filesystem_type(lock),
-                        reason="no process has it open: a build was killed while it held the lock")
+            log.warning(
+                "learner.build_lock_removed",
+                lock=str(lock),
+                filesystem=filesystem_type(lock),
+                reason="no process has it open: a build was killed while it held the lock",
+            )
         pending = unsure
         if pending:
             if clock() >= next_note:
                 next_note = clock() + NOTE_EVERY_S
-                log.warning("learner.build_lock_wait", locks=[str(p) for p in pending],
-                            filesystem=[filesystem_type(p) for p in pending],
-                            hint="no process here has these open, but another node (shared filesystem) or another "
-                                 "user may be building; DeepSpeed would wait for them forever. If none is, delete them.")
+                log.warning(
+                    "learner.build_lock_wait",
+                    locks=[str(p) for p in pending],
+                    filesystem=[filesystem_type(p) for p in pending],
+                    hint="no process here has these open, but another node (shared filesystem) or another "
+                    "user may be building; DeepSpeed would wait for them forever. If none is, delete them.",
+                )
             sleep(1.0)
     return removed
 

@@ -27,7 +27,9 @@ class Evaluator:
         every = self.cfg.eval.every_steps
         return every > 0 and bool(self.sets) and (step % every == 0 or last)
 
-    def run(self, version: int, step: int | None = None, last: bool = False, should_stop: Callable[[], bool] = lambda: False) -> dict[str, float]:
+    def run(
+        self, version: int, step: int | None = None, last: bool = False, should_stop: Callable[[], bool] = lambda: False
+    ) -> dict[str, float]:
         """After update `step` (default: `version`), evaluate `version`, the weights just sent to the actors, if due.
 
         Blocks until done or eval.timeout_s.
@@ -35,8 +37,15 @@ class Evaluator:
         if not self.due(version if step is None else step, last):
             return {}
         self.rounds += 1
-        rnd = EvalRound(self.rounds, version, self.sets, self.sampling, max_prompts=self.cfg.eval.max_prompts,
-                        lease_s=self.cfg.staleness.lease_s, seed=self.cfg.run.seed)
+        rnd = EvalRound(
+            self.rounds,
+            version,
+            self.sets,
+            self.sampling,
+            max_prompts=self.cfg.eval.max_prompts,
+            lease_s=self.cfg.staleness.lease_s,
+            seed=self.cfg.run.seed,
+        )
         self.hub.start_eval(rnd)
         self.hub.wait_eval(self.cfg.eval.timeout_s, should_stop)
         out = rnd.metrics()
@@ -44,6 +53,12 @@ class Evaluator:
         if rnd.done:
             self.log.info("eval.round_done", round=rnd.round_id, seconds=round(out["time/eval"], 2), **fields)
         else:
-            self.log.warning("eval.round_partial", round=rnd.round_id, answered=len(rnd.rewards), total=len(rnd.tasks),
-                             timeout_s=self.cfg.eval.timeout_s, **fields)
+            self.log.warning(
+                "eval.round_partial",
+                round=rnd.round_id,
+                answered=len(rnd.rewards),
+                total=len(rnd.tasks),
+                timeout_s=self.cfg.eval.timeout_s,
+                **fields,
+            )
         return out

@@ -92,8 +92,10 @@ def _run_rank(cfg: Config, resume: bool) -> int:
     # Followers need only the batch arithmetic, which does not depend on the prompt count.
     plan = make_plan(cfg, num_prompts=len(data.train) if data is not None else cfg.train.prompts_per_step)
     if plan.learner_ranks != topo.world:
-        raise ConfigError(f"cluster: the plan has {plan.learner_ranks} learner ranks "
-                          f"(learner_nodes x learner_gpus_per_node, or debug_gpus), torchrun started {topo.world}")
+        raise ConfigError(
+            f"cluster: the plan has {plan.learner_ranks} learner ranks "
+            f"(learner_nodes x learner_gpus_per_node, or debug_gpus), torchrun started {topo.world}"
+        )
     layout = StepLayout.of(plan)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
     trainer = Trainer(cfg, model, topo, layout)
@@ -136,8 +138,9 @@ def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:
     return 0
 
 
-def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, total_updates: int, run_dir: Path, log,
-              checkpoint: Path | None) -> int:
+def _run_root(
+    cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, total_updates: int, run_dir: Path, log, checkpoint: Path | None
+) -> int:
     prompts = data.train
     # W&B first: a missing package or a refused login is a config error before any actor can register.
     wandb = WandbLogger(cfg.log, run_dir, cfg.to_dict()) if cfg.log.wandb else None
@@ -157,8 +160,14 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
         kept_rows = restore_metrics(run_dir, state)
         discard_newer(run_dir, updates)
         set_context(policy_version=version)
-        log.info("learner.resumed", checkpoint=str(checkpoint), updates=updates, version=version, ledger=hub.ledger.state_counts(),
-                 max_staleness=hub.max_staleness)
+        log.info(
+            "learner.resumed",
+            checkpoint=str(checkpoint),
+            updates=updates,
+            version=version,
+            ledger=hub.ledger.state_counts(),
+            max_staleness=hub.max_staleness,
+        )
     hub.start()  # a port in use raises ConfigError naming hub.bind
     weights = WeightSource(cfg, trainer)  # in place (ZeRO <= 2) or gathered into a snapshot (ZeRO-3)
     sender = weights.sender(cfg)
@@ -183,15 +192,35 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
             raise
         hf(path)
         # `updates`, `version` and `last_row` are read when the checkpoint is written, after the update it follows.
-        write_learner_state(path / STATE_DIR, LearnerState(
-            updates=updates, version=version, steps_per_update=trainer.layout.steps, world=topo.world,
-            zero_stage=cfg.train.zero_stage, hub=hub.export_state(), row=last_row))
+        write_learner_state(
+            path / STATE_DIR,
+            LearnerState(
+                updates=updates,
+                version=version,
+                steps_per_update=trainer.layout.steps,
+                world=topo.world,
+                zero_stage=cfg.train.zero_stage,
+                hub=hub.export_state(),
+                row=last_row,
+            ),
+        )
 
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir, write_checkpoint)
     params = sum(int(np.prod(s)) for s in trainer.full_shapes())
-    log.info("learner.ready", prompts=len(prompts), eval_prompts={k: len(v) for k, v in data.eval_sets().items()}, params=params,
-             ranks=topo.world, dp=topo.dp_size, sp=topo.sp_size, steps_per_update=trainer.layout.steps, hub=cfg.hub.bind,
-             weight_port=sender.port, updates=updates, version=version)
+    log.info(
+        "learner.ready",
+        prompts=len(prompts),
+        eval_prompts={k: len(v) for k, v in data.eval_sets().items()},
+        params=params,
+        ranks=topo.world,
+        dp=topo.dp_size,
+        sp=topo.sp_size,
+        steps_per_update=trainer.layout.steps,
+        hub=cfg.hub.bind,
+        weight_port=sender.port,
+        updates=updates,
+        version=version,
+    )
 
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
@@ -241,25 +270,57 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
             reward_mean = float(np.mean([g.rewards.mean() for g in groups]))
             rollout = rollout_metrics(groups, [item.group for item in filtered])
             row = {
-                "step": updates, "policy_version": version, "reward_mean": reward_mean, "samples": stats.samples,
-                "staleness_max": max(stale), "staleness_mean": float(np.mean(stale)),
-                "logprob_mismatch": stats.logprob_mismatch, "on_policy_tokens": stats.on_policy_tokens,
-                "packing_efficiency": stats.packing_efficiency, "padded_efficiency": stats.padded_efficiency, **stats.extra,
-                "tokens_per_s": stats.tokens / step_s, "samples_per_s": stats.samples / step_s,
-                "wall_s": time.perf_counter() - t_start, "loss": stats.loss, "clip_frac": stats.clip_frac,
-                "grad_norm": stats.grad_norm, "adv_abs_mean": float(advantages.abs().mean()), "max_staleness": k,
-                "groups_filtered": len(filtered), "train/skipped_steps": skipped_steps, "train/refused_batches": refused_batches,
-                "batch/actors": len({g.actor_id for g in groups}), **rollout,
-                "batch/on_policy_actors": len({g.actor_id for g, s in zip(groups, stale, strict=True) if s == 0}), "time/wait": t_wait, "time/train": t_train, "time/step": step_s, **sync, **hub.snapshot(), **evals,
+                "step": updates,
+                "policy_version": version,
+                "reward_mean": reward_mean,
+                "samples": stats.samples,
+                "staleness_max": max(stale),
+                "staleness_mean": float(np.mean(stale)),
+                "logprob_mismatch": stats.logprob_mismatch,
+                "on_policy_tokens": stats.on_policy_tokens,
+                "packing_efficiency": stats.packing_efficiency,
+                "padded_efficiency": stats.padded_efficiency,
+                **stats.extra,
+                "tokens_per_s": stats.tokens / step_s,
+                "samples_per_s": stats.samples / step_s,
+                "wall_s": time.perf_counter() - t_start,
+                "loss": stats.loss,
+                "clip_frac": stats.clip_frac,
+                "grad_norm": stats.grad_norm,
+                "adv_abs_mean": float(advantages.abs().mean()),
+                "max_staleness": k,
+                "groups_filtered": len(filtered),
+                "train/skipped_steps": skipped_steps,
+                "train/refused_batches": refused_batches,
+                "batch/actors": len({g.actor_id for g in groups}),
+                **rollout,
+                "batch/on_policy_actors": len({g.actor_id for g, s in zip(groups, stale, strict=True) if s == 0}),
+                "time/wait": t_wait,
+                "time/train": t_train,
+                "time/step": step_s,
+                **sync,
+                **hub.snapshot(),
+                **evals,
             }
             last_row = row
             row.update(checkpoints.maybe_save(updates, row, last))
             metrics.write(row)
             samples.write(updates, version, groups)
-            log.info("learner.step", step=updates, steps_total=total_updates, eta_s=eta.update(updates), version=version,
-                     reward=round(reward_mean, 3), length=round(rollout["response/length_mean"], 1), staleness_max=max(stale),
-                     mismatch=None if stats.on_policy_tokens == 0 else float(f"{stats.logprob_mismatch:.2e}"),
-                     wait_s=round(t_wait, 2), train_s=round(t_train, 2), sync_s=round(sync["time/weight_sync"], 3), broadcast_s=round(sync.get("time/broadcast", 0.0), 3))
+            log.info(
+                "learner.step",
+                step=updates,
+                steps_total=total_updates,
+                eta_s=eta.update(updates),
+                version=version,
+                reward=round(reward_mean, 3),
+                length=round(rollout["response/length_mean"], 1),
+                staleness_max=max(stale),
+                mismatch=None if stats.on_policy_tokens == 0 else float(f"{stats.logprob_mismatch:.2e}"),
+                wait_s=round(t_wait, 2),
+                train_s=round(t_train, 2),
+                sync_s=round(sync["time/weight_sync"], 3),
+                broadcast_s=round(sync.get("time/broadcast", 0.0), 3),
+            )
         # Stopped early (SIGTERM): keep what was trained, training state included, so --resume can go on.
         final = updates if checkpoints.wants(updates, last=True) else 0
         if topo.world > 1:
@@ -275,6 +336,15 @@ def _run_root(cfg: Config, topo: Topology, trainer: Trainer, tokenizer, data, to
         metrics.close()
         plot = metrics.plot()
         hub.ledger.check()
-        log.info("learner.done", updates=updates, version=version, wall_s=round(time.perf_counter() - t_start, 1), plot=str(plot), ledger=hub.ledger.state_counts(),
-                 ledger_epochs=hub.ledger.epochs_opened, ledger_prompts=hub.ledger.num_prompts, ledger_counts=dict(hub.ledger.counts))
+        log.info(
+            "learner.done",
+            updates=updates,
+            version=version,
+            wall_s=round(time.perf_counter() - t_start, 1),
+            plot=str(plot),
+            ledger=hub.ledger.state_counts(),
+            ledger_epochs=hub.ledger.epochs_opened,
+            ledger_prompts=hub.ledger.num_prompts,
+            ledger_counts=dict(hub.ledger.counts),
+        )
     return 0

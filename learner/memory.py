@@ -41,9 +41,15 @@ class Arch:
     @classmethod
     def from_config(cls, c: dict) -> Arch:
         heads = c["num_attention_heads"]
-        return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], intermediate=c["intermediate_size"], heads=heads,
-                   kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                   vocab=c["vocab_size"])
+        return cls(
+            hidden=c["hidden_size"],
+            layers=c["num_hidden_layers"],
+            intermediate=c["intermediate_size"],
+            heads=heads,
+            kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            vocab=c["vocab_size"],
+        )
 
 
 def config_json(model_path: str, arch_path: str) -> Path | None:
@@ -73,8 +79,17 @@ class Activations:
         return self.layers + self.head + self.gathered
 
 
-def activation_bytes(arch: Arch, tokens: int, dtype_bytes: int, checkpointing: bool, chunk: int, zero_stage: int,
-                     num_params: int, top_p: float = 1.0, top_k: int = 0) -> Activations:
+def activation_bytes(
+    arch: Arch,
+    tokens: int,
+    dtype_bytes: int,
+    checkpointing: bool,
+    chunk: int,
+    zero_stage: int,
+    num_params: int,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> Activations:
     b, h = dtype_bytes, arch.hidden
     layer = (6 * h + 2 * arch.kv_heads * arch.head_dim + 4 * arch.intermediate) * b
     if checkpointing:

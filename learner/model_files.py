@@ -35,8 +35,10 @@ def check_model_dir(path: str, name: str = "model.path", tokenizer: bool = True)
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{name}: {path} has no config.json, so it is not a Hugging Face model folder; {_FIX}")
     if tokenizer and not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise ConfigError(f"{name}: {path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save the model's "
-                          f"tokenizer there too: AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained('{path}')")
+        raise ConfigError(
+            f"{name}: {path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); save the model's "
+            f"tokenizer there too: AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained('{path}')"
+        )
     return folder
 
 
@@ -55,11 +57,11 @@ def load_tokenizer(path: str, name: str = "model.path") -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:  # transformers' errors for unreadable or mismatched files
-        raise ConfigError(f"{name}: the tokenizer in {path} does not load ({first_line(e)}); "
-                          "re-save it with tokenizer.save_pretrained") from e
+        raise ConfigError(
+            f"{name}: the tokenizer in {path} does not load ({first_line(e)}); re-save it with tokenizer.save_pretrained"
+        ) from e
     if len(tokenizer) < 2:
-        raise ConfigError(f"{name}: the tokenizer in {path} has {len(tokenizer)} token(s); re-save it with "
-                          "tokenizer.save_pretrained")
+        raise ConfigError(f"{name}: the tokenizer in {path} has {len(tokenizer)} token(s); re-save it with tokenizer.save_pretrained")
     return tokenizer
 
 
@@ -72,5 +74,3 @@ def load_model_config(path: str, name: str = "model.path") -> Any:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:  # unknown model_type, malformed JSON
         raise ConfigError(f"{name}: {path}/config.json does not load ({first_line(e)})") from e
-
-

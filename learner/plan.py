@@ -24,11 +24,12 @@ Semantics (issue #3):
   cluster.actor_gpus_per_node / tensor_parallel_size engines.
 - Generation: actor engines = actor_nodes x actor_gpus_per_node / tensor_parallel_size (whole).
 - Memory per learner GPU. Colocated (cluster.colocate): the policy, the critic (algo.advantage = gae) and the
-  reference (algo.kl_coef > 0 or algo.keep_reference) share the R learner GPUs, as in Open-Reasoner-Zero; otherwise each gets its own R
-  GPUs. Parameters take model.dtype's bytes, gradients fp32's (accumulated over micro-batches in fp32). Adam keeps two fp32 moments, plus an fp32 master copy
-  when training in bf16 (DeepSpeed's mixed precision: the ZeRO paper's 12 bytes per parameter). ZeRO partitions
-  over all R learner ranks (sequence-parallel ranks included, as DeepSpeed's sequence-data-parallel group does):
-  stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the parameters. The reference holds
+  reference (algo.kl_coef > 0 or algo.keep_reference) share the R learner GPUs, as in Open-Reasoner-Zero;
+  otherwise each gets its own R GPUs. Parameters take model.dtype's bytes, gradients fp32's (accumulated over
+  micro-batches in fp32). Adam keeps two fp32 moments, plus an fp32 master copy when training in bf16
+  (DeepSpeed's mixed precision: the ZeRO paper's 12 bytes per parameter). ZeRO partitions over all R learner
+  ranks (sequence-parallel ranks included, as DeepSpeed's sequence-data-parallel group does): stage 1 the
+  optimizer states, stage 2 also the gradients, stage 3 also the parameters. The reference holds
   parameters only. The critic is counted at the policy's size (its value head is negligible).
 - Activations per learner GPU: one micro-batch's training working set, estimated from the architecture and
   the tokens a micro-batch puts on one GPU (the budget, or micro_batch_samples x actor.max_model_len / SP):
@@ -143,8 +144,9 @@ class Plan:
         return None if peak is None else peak <= FIT_SHARE * self.gpu_memory
 
 
-def _split(mini: int, ranks: int, ranks_text: str, sp: int, micro: int, *, sp_field: str, ranks_field: str,
-           micro_field: str) -> tuple[int, int]:
+def _split(
+    mini: int, ranks: int, ranks_text: str, sp: int, micro: int, *, sp_field: str, ranks_field: str, micro_field: str
+) -> tuple[int, int]:
     """(DP, accumulation) for `ranks` learner ranks; ConfigError naming the field, with the arithmetic.
     `micro` 1 (a token budget): accumulation is the most micro-batches a rank can have, one per sample."""
     _need(ranks % sp == 0, sp_field, f"sequence_parallel_size {sp} does not divide {ranks_text}")
@@ -153,9 +155,12 @@ def _split(mini: int, ranks: int, ranks_text: str, sp: int, micro: int, *, sp_fi
     _need(dp <= mini, ranks_field, f"{dp_text} exceed the {mini} samples of a mini-batch")
     _need(mini % dp == 0, ranks_field, f"{mini} samples per mini-batch / {dp_text} is not whole")
     per_rank = mini // dp
-    _need(per_rank % micro == 0, micro_field,
-          f"{mini} samples per mini-batch / {dp} data-parallel ranks = {per_rank} per rank "
-          f"is not a multiple of train.micro_batch_samples {micro}")
+    _need(
+        per_rank % micro == 0,
+        micro_field,
+        f"{mini} samples per mini-batch / {dp} data-parallel ranks = {per_rank} per rank "
+        f"is not a multiple of train.micro_batch_samples {micro}",
+    )
     return dp, per_rank // micro
 
 
@@ -190,8 +195,7 @@ def count_params(path: str) -> int:
 
     config = json.loads(Path(path).read_text()) if path.endswith(".json") else None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(path))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(path))
     return sum(p.numel() for p in model.parameters())  # tied embeddings count once
 
 
@@ -212,8 +216,9 @@ def model_memory(name: str, n: int, dtype: str, stage: int, shards: int, trained
         return ModelMemory(name=name, params=params, grads=0.0, optimizer=0.0)
     adam = 8 + (4 if b < 4 else 0)  # m and v in fp32, plus the fp32 master weights under bf16
     grad = 4  # accumulated in fp32 whatever the training dtype (learner/train/trainer.py: grad_accum_dtype)
-    return ModelMemory(name=name, params=params, grads=n * grad / (shards if stage >= 2 else 1),
-                       optimizer=n * adam / (shards if stage >= 1 else 1))
+    return ModelMemory(
+        name=name, params=params, grads=n * grad / (shards if stage >= 2 else 1), optimizer=n * adam / (shards if stage >= 1 else 1)
+    )
 
 
 def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
@@ -226,51 +231,83 @@ def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
     sp, budget = t.sequence_parallel_size, t.max_tokens_per_micro_batch
     micro = 1 if budget else t.micro_batch_samples
     longest = cfg.actor.max_model_len
-    _need(not budget or budget * sp >= longest, "train.max_tokens_per_micro_batch",
-          f"{budget} x sequence_parallel_size {sp} < actor.max_model_len {longest}: the longest sample would not fit "
-          f"one micro-batch; set it to at least {-(-longest // sp)}")
+    _need(
+        not budget or budget * sp >= longest,
+        "train.max_tokens_per_micro_batch",
+        f"{budget} x sequence_parallel_size {sp} < actor.max_model_len {longest}: the longest sample would not fit "
+        f"one micro-batch; set it to at least {-(-longest // sp)}",
+    )
     rollout = t.prompts_per_step * r.samples_per_prompt
     batch_text = f"{t.prompts_per_step} prompts x {r.samples_per_prompt} samples = {rollout} samples per rollout batch"
     _need(rollout % t.mini_batches == 0, "train.mini_batches", f"{batch_text} / {t.mini_batches} mini-batches is not whole")
     mini = rollout // t.mini_batches
 
     recipe_ranks = c.learner_nodes * c.learner_gpus_per_node
-    recipe_text = (f"{recipe_ranks} learner ranks (cluster.learner_nodes {c.learner_nodes} x "
-                   f"cluster.learner_gpus_per_node {c.learner_gpus_per_node})")
-    recipe_dp, recipe_acc = _split(mini, recipe_ranks, recipe_text, sp, micro, sp_field="train.sequence_parallel_size",
-                                   ranks_field="cluster.learner_gpus_per_node", micro_field="train.micro_batch_samples")
+    recipe_text = (
+        f"{recipe_ranks} learner ranks (cluster.learner_nodes {c.learner_nodes} x cluster.learner_gpus_per_node {c.learner_gpus_per_node})"
+    )
+    recipe_dp, recipe_acc = _split(
+        mini,
+        recipe_ranks,
+        recipe_text,
+        sp,
+        micro,
+        sp_field="train.sequence_parallel_size",
+        ranks_field="cluster.learner_gpus_per_node",
+        micro_field="train.micro_batch_samples",
+    )
     ranks, dp, acc = recipe_ranks, recipe_dp, recipe_acc
     if c.debug_gpus > 0:  # same batch, fewer ranks: the micro-batch stays, accumulation absorbs the rest
         ranks = c.debug_gpus
         # The recipe itself passed above, so whatever fails here is the debug placement's fault.
-        dp, acc = _split(mini, ranks, f"cluster.debug_gpus = {ranks} learner ranks", sp, micro,
-                         sp_field="cluster.debug_gpus", ranks_field="cluster.debug_gpus", micro_field="cluster.debug_gpus")
+        dp, acc = _split(
+            mini,
+            ranks,
+            f"cluster.debug_gpus = {ranks} learner ranks",
+            sp,
+            micro,
+            sp_field="cluster.debug_gpus",
+            ranks_field="cluster.debug_gpus",
+            micro_field="cluster.debug_gpus",
+        )
 
     steps = t.mini_batches * t.ppo_epochs
     k = cfg.staleness.max_staleness
-    _need(k >= steps - 1, "staleness.max_staleness",
-          f"{k} < S - 1 = {steps - 1}: a rollout batch is trained in S = {steps} optimizer steps (train.mini_batches "
-          f"{t.mini_batches} x train.ppo_epochs {t.ppo_epochs}), so even a fresh sample is {steps - 1} versions old "
-          f"at its batch's last step; set max_staleness >= {steps - 1}")
+    _need(
+        k >= steps - 1,
+        "staleness.max_staleness",
+        f"{k} < S - 1 = {steps - 1}: a rollout batch is trained in S = {steps} optimizer steps (train.mini_batches "
+        f"{t.mini_batches} x train.ppo_epochs {t.ppo_epochs}), so even a fresh sample is {steps - 1} versions old "
+        f"at its batch's last step; set max_staleness >= {steps - 1}",
+    )
 
     if t.total_episodes > 0:
-        _need(t.total_episodes % rollout == 0, "train.total_episodes",
-              f"{t.total_episodes} samples / ({batch_text}) = {t.total_episodes / rollout:.2f} rollout batches is not whole")
+        _need(
+            t.total_episodes % rollout == 0,
+            "train.total_episodes",
+            f"{t.total_episodes} samples / ({batch_text}) = {t.total_episodes / rollout:.2f} rollout batches is not whole",
+        )
         updates, length_source = t.total_episodes // rollout, "train.total_episodes"
     else:
         updates, length_source = t.total_steps, "train.total_steps"
 
     actor_gpus = c.actor_nodes * c.actor_gpus_per_node
-    _need(actor_gpus % c.tensor_parallel_size == 0, "cluster.tensor_parallel_size",
-          f"cluster.actor_nodes {c.actor_nodes} x cluster.actor_gpus_per_node {c.actor_gpus_per_node} = {actor_gpus} "
-          f"actor GPUs / tensor_parallel_size {c.tensor_parallel_size} is not whole")
+    _need(
+        actor_gpus % c.tensor_parallel_size == 0,
+        "cluster.tensor_parallel_size",
+        f"cluster.actor_nodes {c.actor_nodes} x cluster.actor_gpus_per_node {c.actor_gpus_per_node} = {actor_gpus} "
+        f"actor GPUs / tensor_parallel_size {c.tensor_parallel_size} is not whole",
+    )
     engines = recipe_engines = actor_gpus // c.tensor_parallel_size
     actor_nodes = c.actor_nodes
     if c.debug_gpus > 0:  # one node's worth of engines, beside the learner
         engines, actor_nodes = c.actor_gpus_per_node // c.tensor_parallel_size, 1
-        _need(engines >= 1, "cluster.debug_gpus",
-              f"debug actors run on the learner's node: cluster.actor_gpus_per_node {c.actor_gpus_per_node} / "
-              f"tensor_parallel_size {c.tensor_parallel_size} makes no whole engine")
+        _need(
+            engines >= 1,
+            "cluster.debug_gpus",
+            f"debug actors run on the learner's node: cluster.actor_gpus_per_node {c.actor_gpus_per_node} / "
+            f"tensor_parallel_size {c.tensor_parallel_size} makes no whole engine",
+        )
 
     n_prompts, prompts_source = (num_prompts, "the loaded prompt set") if num_prompts is not None else prompt_count(cfg)
     per_epoch = n_prompts / t.prompts_per_step if n_prompts else None
@@ -279,40 +316,84 @@ def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
     a = cfg.algo
     models = ["policy"] + ["critic"] * (a.advantage == "gae") + ["reference"] * (a.kl_coef > 0 or a.keep_reference)
     n_params, params_source = param_count(cfg)
-    memory = [] if n_params is None else [
-        model_memory(m, n_params, cfg.model.dtype, t.zero_stage, ranks, trained=m != "reference") for m in models]
+    memory = (
+        []
+        if n_params is None
+        else [model_memory(m, n_params, cfg.model.dtype, t.zero_stage, ranks, trained=m != "reference") for m in models]
+    )
     totals = [m.total for m in memory]
     gpu_bytes = (sum(totals) if c.colocate else max(totals)) if totals else None
     arch_path = config_json(cfg.model.path, cfg.model.arch)
     activations, arch_source = None, "unknown: set model.arch (no config.json at model.path here)"
     if arch_path is not None and arch_path.is_file():
         tokens = budget or -(-micro * longest // sp)  # sample-counted micro-batches: at their longest
-        activations = activation_bytes(read_arch(arch_path), tokens, DTYPE_BYTES[cfg.model.dtype], t.gradient_checkpointing,
-                                       t.logprob_chunk_tokens, t.zero_stage, n_params or 0, cfg.rollout.top_p,
-                                       cfg.rollout.top_k)
+        activations = activation_bytes(
+            read_arch(arch_path),
+            tokens,
+            DTYPE_BYTES[cfg.model.dtype],
+            t.gradient_checkpointing,
+            t.logprob_chunk_tokens,
+            t.zero_stage,
+            n_params or 0,
+            cfg.rollout.top_p,
+            cfg.rollout.top_k,
+        )
         arch_source = str(arch_path)
 
     return Plan(
-        learner_nodes=c.learner_nodes, learner_gpus_per_node=c.learner_gpus_per_node, recipe_ranks=recipe_ranks,
-        debug=c.debug_gpus > 0, learner_ranks=ranks, sequence_parallel=sp, data_parallel=dp,
-        recipe_data_parallel=recipe_dp, models=models, colocate=c.colocate,
-        learner_gpus=ranks if c.colocate else ranks * len(models), actor_nodes=actor_nodes,
-        actor_gpus_per_node=c.actor_gpus_per_node, tensor_parallel=c.tensor_parallel_size, actor_engines=engines,
+        learner_nodes=c.learner_nodes,
+        learner_gpus_per_node=c.learner_gpus_per_node,
+        recipe_ranks=recipe_ranks,
+        debug=c.debug_gpus > 0,
+        learner_ranks=ranks,
+        sequence_parallel=sp,
+        data_parallel=dp,
+        recipe_data_parallel=recipe_dp,
+        models=models,
+        colocate=c.colocate,
+        learner_gpus=ranks if c.colocate else ranks * len(models),
+        actor_nodes=actor_nodes,
+        actor_gpus_per_node=c.actor_gpus_per_node,
+        tensor_parallel=c.tensor_parallel_size,
+        actor_engines=engines,
         recipe_actor_engines=recipe_engines,
-        prompts_per_step=t.prompts_per_step, samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
+        prompts_per_step=t.prompts_per_step,
+        samples_per_prompt=r.samples_per_prompt,
+        max_tokens=r.max_tokens,
         rollout_batch=rollout,
-        mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs, steps_per_batch=steps, mini_batch=mini,
-        samples_per_rank=mini // dp, micro_batch=micro, accumulation=acc, recipe_accumulation=recipe_acc, token_budget=budget,
-        max_staleness=k, min_staleness=steps - 1,
-        length_source=length_source, rollout_batches=updates, optimizer_steps=updates * steps,
-        episodes=updates * rollout, num_prompts=n_prompts, prompts_source=prompts_source,
-        steps_per_epoch=per_epoch, epochs=epochs,
+        mini_batches=t.mini_batches,
+        ppo_epochs=t.ppo_epochs,
+        steps_per_batch=steps,
+        mini_batch=mini,
+        samples_per_rank=mini // dp,
+        micro_batch=micro,
+        accumulation=acc,
+        recipe_accumulation=recipe_acc,
+        token_budget=budget,
+        max_staleness=k,
+        min_staleness=steps - 1,
+        length_source=length_source,
+        rollout_batches=updates,
+        optimizer_steps=updates * steps,
+        episodes=updates * rollout,
+        num_prompts=n_prompts,
+        prompts_source=prompts_source,
+        steps_per_epoch=per_epoch,
+        epochs=epochs,
         samples_per_prompt_run=epochs * r.samples_per_prompt if epochs is not None else None,
-        num_params=n_params, params_source=params_source, dtype=cfg.model.dtype, zero_stage=t.zero_stage,
-        memory=memory, gpu_bytes=gpu_bytes, checkpointing=t.gradient_checkpointing, activations=activations,
-        arch_source=arch_source, gpu_memory=c.gpu_memory_gib * GIB,
+        num_params=n_params,
+        params_source=params_source,
+        dtype=cfg.model.dtype,
+        zero_stage=t.zero_stage,
+        memory=memory,
+        gpu_bytes=gpu_bytes,
+        checkpointing=t.gradient_checkpointing,
+        activations=activations,
+        arch_source=arch_source,
+        gpu_memory=c.gpu_memory_gib * GIB,
         snapshot_bytes=float((n_params or 0) * DTYPE_BYTES[cfg.model.dtype])
-        if t.zero_stage == 3 and cfg.weights.snapshot == "device" else 0.0,
+        if t.zero_stage == 3 and cfg.weights.snapshot == "device"
+        else 0.0,
     )
 
 
@@ -340,16 +421,22 @@ def render(plan: Plan) -> str:
     ranks_how = f"{p.learner_nodes} node(s) x {p.learner_gpus_per_node} GPUs"
     if p.debug:
         ranks_how = f"cluster.debug_gpus, debug placement (recipe: {p.recipe_ranks} = {ranks_how})"
-    models_how = ", ".join(p.models) + (f": colocated on the same {p.learner_ranks} GPUs" if p.colocate
-                                        else f": {p.learner_ranks} GPUs each, {p.learner_gpus} in all")
-    engines_how = (f"on the learner's node: {p.actor_gpus_per_node} GPUs / tensor parallel {p.tensor_parallel} "
-                   f"(recipe: {p.recipe_actor_engines})" if p.debug else
-                   f"{p.actor_nodes} node(s) x {p.actor_gpus_per_node} GPUs / tensor parallel {p.tensor_parallel}")
+    models_how = ", ".join(p.models) + (
+        f": colocated on the same {p.learner_ranks} GPUs" if p.colocate else f": {p.learner_ranks} GPUs each, {p.learner_gpus} in all"
+    )
+    engines_how = (
+        f"on the learner's node: {p.actor_gpus_per_node} GPUs / tensor parallel {p.tensor_parallel} (recipe: {p.recipe_actor_engines})"
+        if p.debug
+        else f"{p.actor_nodes} node(s) x {p.actor_gpus_per_node} GPUs / tensor parallel {p.tensor_parallel}"
+    )
     placement: Rows = [
         ("learner ranks", str(p.learner_ranks), ranks_how),
         ("sequence parallel", str(p.sequence_parallel), "ranks sharing one packed sequence"),
-        ("data parallel", str(p.data_parallel),
-         f"{p.learner_ranks} ranks / SP {p.sequence_parallel}" + recipe.format(p.recipe_data_parallel)),
+        (
+            "data parallel",
+            str(p.data_parallel),
+            f"{p.learner_ranks} ranks / SP {p.sequence_parallel}" + recipe.format(p.recipe_data_parallel),
+        ),
         ("learner models", str(len(p.models)), models_how),
         ("actor engines", str(p.actor_engines), engines_how),
         ("GPUs in all", str(p.learner_gpus + p.actor_engines * p.tensor_parallel), "learner + actors"),
@@ -357,22 +444,27 @@ def render(plan: Plan) -> str:
     batch: Rows = [
         ("rollout batch", f"{p.rollout_batch:,}", f"samples = {p.prompts_per_step} prompts x {p.samples_per_prompt}"),
         ("generated tokens", f"{p.max_tokens:,}", "per sample, at most (rollout.max_tokens)"),
-        ("optimizer steps per batch", str(p.steps_per_batch),
-         f"S = {p.mini_batches} mini-batch(es) x {p.ppo_epochs} PPO epoch(s)"),
+        ("optimizer steps per batch", str(p.steps_per_batch), f"S = {p.mini_batches} mini-batch(es) x {p.ppo_epochs} PPO epoch(s)"),
         ("mini-batch", f"{p.mini_batch:,}", f"samples per optimizer step = {p.rollout_batch:,} / {p.mini_batches}"),
         ("per data-parallel rank", f"{p.samples_per_rank:,}", f"samples = {p.mini_batch:,} / {p.data_parallel}"),
-        ("micro-batch", f"{p.token_budget:,} tokens" if p.token_budget else str(p.micro_batch),
-         "per GPU, packed greedily (train.max_tokens_per_micro_batch)" if p.token_budget else "samples per forward/backward"),
-        ("gradient accumulation", f"<= {p.accumulation:,}" if p.token_budget else f"{p.accumulation:,}",
-         "micro-batches, as many as the tokens need" if p.token_budget else
-         f"= {p.samples_per_rank:,} / {p.micro_batch}" + recipe.format(p.recipe_accumulation)),
+        (
+            "micro-batch",
+            f"{p.token_budget:,} tokens" if p.token_budget else str(p.micro_batch),
+            "per GPU, packed greedily (train.max_tokens_per_micro_batch)" if p.token_budget else "samples per forward/backward",
+        ),
+        (
+            "gradient accumulation",
+            f"<= {p.accumulation:,}" if p.token_budget else f"{p.accumulation:,}",
+            "micro-batches, as many as the tokens need"
+            if p.token_budget
+            else f"= {p.samples_per_rank:,} / {p.micro_batch}" + recipe.format(p.recipe_accumulation),
+        ),
         ("max staleness", str(p.max_staleness), f"k >= S - 1 = {p.min_staleness}"),
     ]
     unknown = ("unknown", "")
     per_epoch = (f"{p.steps_per_epoch:.2f}", f"= {p.num_prompts:,} / {p.prompts_per_step}") if p.steps_per_epoch else unknown
     epochs = (f"{p.epochs:.2f}", f"= {p.rollout_batches:,} x {p.prompts_per_step} / {p.num_prompts:,}") if p.epochs else unknown
-    per_prompt = (f"{p.samples_per_prompt_run:.1f}", f"= epochs x {p.samples_per_prompt}") \
-        if p.samples_per_prompt_run else unknown
+    per_prompt = (f"{p.samples_per_prompt_run:.1f}", f"= epochs x {p.samples_per_prompt}") if p.samples_per_prompt_run else unknown
     length: Rows = [
         ("rollout batches", f"{p.rollout_batches:,}", p.length_source),
         ("optimizer steps", f"{p.optimizer_steps:,}", "the final policy version"),
@@ -384,8 +476,14 @@ def render(plan: Plan) -> str:
     ]
     title = f"Memory per learner GPU ({p.dtype}, ZeRO-{p.zero_stage} over {p.learner_ranks} ranks)"
     memory: Rows = [("parameters", f"{p.num_params:,}" if p.num_params else "unknown", p.params_source)]
-    memory += [(m.name, _gib(m.total), f"= params {_gib(m.params)} + grads {_gib(m.grads)} + Adam {_gib(m.optimizer)}"
-                if m.optimizer else "= params only (frozen)") for m in p.memory]
+    memory += [
+        (
+            m.name,
+            _gib(m.total),
+            f"= params {_gib(m.params)} + grads {_gib(m.grads)} + Adam {_gib(m.optimizer)}" if m.optimizer else "= params only (frozen)",
+        )
+        for m in p.memory
+    ]
     if p.gpu_bytes is not None:
         memory.append(("model states", _gib(p.gpu_bytes), "sum of the colocated models" if p.colocate else "the largest model"))
     a = p.activations
@@ -393,16 +491,32 @@ def render(plan: Plan) -> str:
         memory.append(("activations", "unknown", p.arch_source))
     else:
         how = "gradient checkpointing" if p.checkpointing else "no gradient checkpointing"
-        memory.append(("activations", _gib(a.total), f"= layers {_gib(a.layers)} + lm_head {_gib(a.head)}"
-                       + (f" + ZeRO-3 gathered {_gib(a.gathered)}" if a.gathered else "")
-                       + f" ({a.tokens:,} tokens per micro-batch, {how})"))
+        memory.append(
+            (
+                "activations",
+                _gib(a.total),
+                f"= layers {_gib(a.layers)} + lm_head {_gib(a.head)}"
+                + (f" + ZeRO-3 gathered {_gib(a.gathered)}" if a.gathered else "")
+                + f" ({a.tokens:,} tokens per micro-batch, {how})",
+            )
+        )
     if p.snapshot_bytes:
-        memory.append(("weight snapshot", _gib(p.snapshot_bytes), "rank 0 only: the full weights it serves the actors "
-                       "(ZeRO-3, weights.snapshot = device)"))
+        memory.append(
+            (
+                "weight snapshot",
+                _gib(p.snapshot_bytes),
+                "rank 0 only: the full weights it serves the actors (ZeRO-3, weights.snapshot = device)",
+            )
+        )
     if p.peak_bytes is not None:
         verdict = "fits" if p.fits else "DOES NOT FIT"
-        memory.append(("per GPU", _gib(p.peak_bytes), f"{verdict}: {FIT_SHARE:.0%} of {_gib(p.gpu_memory)} "
-                       f"(cluster.gpu_memory_gib) is {_gib(FIT_SHARE * p.gpu_memory)}"))
+        memory.append(
+            (
+                "per GPU",
+                _gib(p.peak_bytes),
+                f"{verdict}: {FIT_SHARE:.0%} of {_gib(p.gpu_memory)} (cluster.gpu_memory_gib) is {_gib(FIT_SHARE * p.gpu_memory)}",
+            )
+        )
     elif p.gpu_bytes is not None:
         memory.append(("per GPU", _gib(p.gpu_bytes), "model states only (activations unknown)"))
     return _table([("Placement", placement), ("Batch arithmetic", batch), ("Run length", length), (title, memory)])

@@ -117,11 +117,15 @@ def agree_on_checkpoint(topo: Topology, run_dir: Path) -> Path:
 
 def check_compatible(state: LearnerState, topo: Topology, zero_stage: int, steps_per_update: int) -> None:
     if state.world != topo.world or state.zero_stage != zero_stage:
-        raise ConfigError(f"cluster: the checkpoint was written by {state.world} learner rank(s) with ZeRO-{state.zero_stage}; "
-                          f"this learner has {topo.world} with ZeRO-{zero_stage}: resume with the same ones")
+        raise ConfigError(
+            f"cluster: the checkpoint was written by {state.world} learner rank(s) with ZeRO-{state.zero_stage}; "
+            f"this learner has {topo.world} with ZeRO-{zero_stage}: resume with the same ones"
+        )
     if state.steps_per_update != steps_per_update:
-        raise ConfigError(f"train.mini_batches x train.ppo_epochs: {steps_per_update} optimizer steps per update, "
-                          f"the checkpoint's run took {state.steps_per_update}: resume with the same ones")
+        raise ConfigError(
+            f"train.mini_batches x train.ppo_epochs: {steps_per_update} optimizer steps per update, "
+            f"the checkpoint's run took {state.steps_per_update}: resume with the same ones"
+        )
 
 
 def restore_metrics(run_dir: Path, state: LearnerState) -> list[dict]:

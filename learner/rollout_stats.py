@@ -1,14 +1,14 @@
 """Per-step metrics of the rollouts themselves (not of the update): what the actors generated and how it scored.
 
-    response/length_mean, response/length_max   completion tokens, over every completion of the batch
-    response/truncation_rate                    share of completions that ran into rollout.max_tokens
-                                                (finish reason "length": cut off, not finished)
-    reward/part/<name>                          mean of each named reward part, over the completions whose group
-                                                carries it (a group carries every part any of its completions returned)
-    reward/errors                               completions whose reward function raised or timed out (scored 0),
-                                                over every group received for the step, filtered ones included: a
-                                                failing reward scores a whole group 0, and algo.filter_equal_rewards
-                                                drops exactly such groups
+response/length_mean, response/length_max   completion tokens, over every completion of the batch
+response/truncation_rate                    share of completions that ran into rollout.max_tokens
+                                            (finish reason "length": cut off, not finished)
+reward/part/<name>                          mean of each named reward part, over the completions whose group
+                                            carries it (a group carries every part any of its completions returned)
+reward/errors                               completions whose reward function raised or timed out (scored 0),
+                                            over every group received for the step, filtered ones included: a
+                                            failing reward scores a whole group 0, and algo.filter_equal_rewards
+                                            drops exactly such groups
 """
 
 from __future__ import annotations

@@ -46,12 +46,25 @@ class SampleWriter:
         for i, n in enumerate(g.lengths.tolist()):
             tokens = g.completion_tokens[start : start + n].tolist()
             start += n
-            completions.append({
-                "text": self.tokenizer.decode(tokens, skip_special_tokens=False), "reward": float(g.rewards[i]),
-                "parts": {} if parts is None else {name: float(parts[i, j]) for j, name in enumerate(g.reward_part_names)},
-                "finish_reason": g.finish_reasons[i], "tokens": n,
-            })
+            completions.append(
+                {
+                    "text": self.tokenizer.decode(tokens, skip_special_tokens=False),
+                    "reward": float(g.rewards[i]),
+                    "parts": {} if parts is None else {name: float(parts[i, j]) for j, name in enumerate(g.reward_part_names)},
+                    "finish_reason": g.finish_reasons[i],
+                    "tokens": n,
+                }
+            )
         # policy_version: the learner's after the step; the completions come from version_min..version_max
-        return {"step": step, "policy_version": version, "version_min": g.version_min, "version_max": g.version_max,
-                "prompt_id": g.prompt_id, "epoch": g.epoch, "actor_id": g.actor_id,
-                "prompt": prompt.text, "answer": prompt.answer, "completions": completions}
+        return {
+            "step": step,
+            "policy_version": version,
+            "version_min": g.version_min,
+            "version_max": g.version_max,
+            "prompt_id": g.prompt_id,
+            "epoch": g.epoch,
+            "actor_id": g.actor_id,
+            "prompt": prompt.text,
+            "answer": prompt.answer,
+            "completions": completions,
+        }

@@ -22,18 +22,24 @@ class WandbLogger:
         try:
             import wandb
         except ImportError as e:
-            raise ConfigError("log.wandb: true, but the wandb package is not installed: pip install 'fleetrl[wandb]' "
-                              "(or set log.wandb = false)") from e
+            raise ConfigError(
+                "log.wandb: true, but the wandb package is not installed: pip install 'fleetrl[wandb]' (or set log.wandb = false)"
+            ) from e
         folder = run_dir / "wandb"
         folder.mkdir(parents=True, exist_ok=True)
         id_file = folder / "fleetrl-run-id"
         if not id_file.exists():
             id_file.write_text(secrets.token_hex(4))  # W&B ids: lowercase letters and digits
         self.run = wandb.init(
-            project=cfg.wandb_project, name=cfg.wandb_run_name or run_dir.absolute().name,
+            project=cfg.wandb_project,
+            name=cfg.wandb_run_name or run_dir.absolute().name,
             mode="offline" if cfg.wandb_mode == "offline" else "online",
-            dir=str(run_dir), id=id_file.read_text().strip(), resume="allow", config=config,
-            settings=wandb.Settings(console="off", silent=True))
+            dir=str(run_dir),
+            id=id_file.read_text().strip(),
+            resume="allow",
+            config=config,
+            settings=wandb.Settings(console="off", silent=True),
+        )
 
     @property
     def where(self) -> str:
@@ -41,8 +47,9 @@ class WandbLogger:
         return self.run.url or self.run.dir
 
     def log(self, row: dict[str, Any]) -> None:
-        values = {k: float(v) for k, v in row.items()
-                  if k != "step" and isinstance(v, int | float) and math.isfinite(v)}  # bool: a 0/1 chart
+        values = {
+            k: float(v) for k, v in row.items() if k != "step" and isinstance(v, int | float) and math.isfinite(v)
+        }  # bool: a 0/1 chart
         self.run.log(values, step=int(row["step"]))
 
     def close(self) -> None:

@@ -45,7 +45,9 @@ def warm_start(model_dir: Path, steps: int, seed: int, smoothing: float, lr: flo
         loss_mask = torch.tensor([mk + [0] * (width - len(mk)) for mk in masks], dtype=torch.float32)
         attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none", label_smoothing=smoothing)
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none", label_smoothing=smoothing
+        )
         loss = (nll * loss_mask[:, 1:].reshape(-1)).sum() / loss_mask[:, 1:].sum()
         opt.zero_grad()
         loss.backward()

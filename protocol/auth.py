@@ -88,8 +88,10 @@ def ops_client_keys(address: str, server_key: str, client_key: str) -> ClientKey
     would only ever answer with silence."""
     if not server_key and not client_key:
         if not is_loopback(address):
-            raise ConfigError(f"--server-key and --client-key: required for {address} (a hub bound off loopback "
-                              "admits only CURVE clients; use server.key and a clients/NAME.key_secret from `fleetrl keys`)")
+            raise ConfigError(
+                f"--server-key and --client-key: required for {address} (a hub bound off loopback "
+                "admits only CURVE clients; use server.key and a clients/NAME.key_secret from `fleetrl keys`)"
+            )
         return None
     return _client_pair((server_key, "--server-key"), (client_key, "--client-key"))
 
@@ -117,14 +119,15 @@ def handshake_failure(event: int, value: int, server_key: str = "auth.server_key
     """
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         if value == 400:
-            return (f"the learner refused this client's key: the public key of {client_key} is not in the learner's "
-                    "auth.authorized folder")
+            return f"the learner refused this client's key: the public key of {client_key} is not in the learner's auth.authorized folder"
         return f"the learner's key check failed (ZAP status {value})"
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return (f"the learner hung up during the CURVE handshake: {server_key} is not the public key of the learner at "
-                "this address (use the server.key written with its auth.server_secret), or that learner runs without "
-                f"CURVE. Not {client_key}: the learner drops the handshake before it sees the client key, and refuses an "
-                "unlisted one with a reason")
+        return (
+            f"the learner hung up during the CURVE handshake: {server_key} is not the public key of the learner at "
+            "this address (use the server.key written with its auth.server_secret), or that learner runs without "
+            f"CURVE. Not {client_key}: the learner drops the handshake before it sees the client key, and refuses an "
+            "unlisted one with a reason"
+        )
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return f"the learner uses CURVE and this client does not: set {server_key} and {client_key} (auth.curve = on)"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
@@ -177,8 +180,11 @@ def generate(out: Path, clients: list[str]) -> list[Path]:
 
 def _write(path: Path, public: bytes, secret: bytes | None = None) -> Path:
     """One certificate file; a secret one is created 0600 (never world-readable, not even for a moment)."""
-    kind, advice = ("Public", "Give this file to the peers that must know this key.") if secret is None else (
-        "**Secret**", "DO NOT give this file to anyone; keep it mode 0600.")
+    kind, advice = (
+        ("Public", "Give this file to the peers that must know this key.")
+        if secret is None
+        else ("**Secret**", "DO NOT give this file to anyone; keep it mode 0600.")
+    )
     text = _BANNER.format(kind=kind, advice=advice) + "metadata\ncurve\n" + f'    public-key = "{public.decode()}"\n'
     if secret is not None:
         text += f'    secret-key = "{secret.decode()}"\n'
@@ -219,5 +225,9 @@ def key_overrides(folder: Path, client: str = "actors") -> list[str]:
     generates the keys into `folder` when it has none."""
     if not (folder / "clients" / f"{client}.key_secret").exists():
         generate(folder, [client])
-    return [f"auth.server_secret={folder / 'server.key_secret'}", f"auth.authorized={folder / 'authorized'}",
-            f"auth.server_key={folder / 'server.key'}", f"auth.client_key={folder / 'clients' / f'{client}.key_secret'}"]
+    return [
+        f"auth.server_secret={folder / 'server.key_secret'}",
+        f"auth.authorized={folder / 'authorized'}",
+        f"auth.server_key={folder / 'server.key'}",
+        f"auth.client_key={folder / 'clients' / f'{client}.key_secret'}",
+    ]

@@ -85,8 +85,9 @@ class _Schema:
     @classmethod
     def of(cls, msg_cls: type[Message]) -> _Schema:
         hints = typing.get_type_hints(msg_cls)
-        fields = tuple(_Field(f.name, hints[f.name], _checker(hints[f.name]))
-                       for f in dataclasses.fields(msg_cls) if f.name not in msg_cls.ARRAYS)
+        fields = tuple(
+            _Field(f.name, hints[f.name], _checker(hints[f.name])) for f in dataclasses.fields(msg_cls) if f.name not in msg_cls.ARRAYS
+        )
         arrays = tuple(_Array(name, np.dtype(dtype).newbyteorder("<"), dtype, ndim) for name, (dtype, ndim) in msg_cls.ARRAYS.items())
         return cls(msg_cls, fields, arrays)
 
@@ -105,7 +106,8 @@ def encode(msg: Message) -> list[Buffer]:
     for a, arr in zip(s.arrays, arrays, strict=True):  # our own code builds messages: an internal invariant
         assert isinstance(arr, np.ndarray) and arr.dtype == a.dtype and arr.ndim == a.ndim, (
             f"{s.cls.__name__}.{a.name}: {type(arr).__name__} {getattr(arr, 'dtype', '')} of rank {getattr(arr, 'ndim', '')}, "
-            f"expected {a.wire_dtype} of rank {a.ndim}")
+            f"expected {a.wire_dtype} of rank {a.ndim}"
+        )
     arrays = [np.ascontiguousarray(arr) for arr in arrays]  # no copy if it already is
     header = {
         "v": PROTOCOL_VERSION,

@@ -48,7 +48,8 @@ class DataConfig:
     answer_key: str = ""  # column holding the reference answer; dotted for nested, e.g. reward_model.ground_truth ("" = data.format's)
     prompt_template: str = ""  # a string prompt's text: "{prompt}" (and "{bos_token}") replaced ("" = data.format's; plain: "{prompt}")
     chat_template: bool = False  # render string prompts as a user turn through the tokenizer's chat template (chat lists always are)
-    metadata_keys: list[str] = field(default_factory=list)  # columns sent to the reward as metadata (dotted ok); [] = all but prompt and answer
+    # columns sent to the reward as metadata (dotted ok); [] = all but prompt and answer
+    metadata_keys: list[str] = field(default_factory=list)
     max_metadata_bytes: int = 65536  # a row's metadata JSON above this is an error: every grant carries it, the learner holds all
     split: str = "train"  # split of a hub dataset at data.path
     subset: str = ""  # hub dataset configuration name (e.g. "main" for openai/gsm8k); "" = its default
@@ -74,7 +75,8 @@ class RolloutConfig:
     # A group with a behaviour logprob below this is refused: sampling any token this unlikely has a chance of at
     # most vocabulary x e^min_logprob, whatever the distribution (e^-88 for 152k tokens), so it means a broken actor
     min_logprob: float = -100.0
-    reward_bound: float = 1e4  # a group with a reward beyond +-this is refused: the built-ins stay within +-10; 3e38 overflowed the advantages
+    # a group with a reward beyond +-this is refused: the built-ins stay within +-10; 3e38 overflowed the advantages
+    reward_bound: float = 1e4
 
 
 @dataclass(kw_only=True, slots=True)
@@ -294,7 +296,7 @@ def _coerce(name: str, typ: type, value: Any) -> Any:
         value = value.value if isinstance(value, _Override) else value
         (item,) = typing.get_args(typ)
         if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
-            raise ConfigError(f"{name}: expected a list of {item.__name__} such as [\"a\", \"b\"], got {value!r}")
+            raise ConfigError(f'{name}: expected a list of {item.__name__} such as ["a", "b"], got {value!r}')
         return list(value)
     if isinstance(value, _Override):
         value = value.text if typ is str else value.value
@@ -349,16 +351,22 @@ def _check(cfg: Config) -> None:
     need(cfg.data.task in ("addition", "file"), "data.task", "must be 'addition' or 'file'")
     need(cfg.data.task != "file" or bool(cfg.data.path), "data.path", "required when data.task = 'file'")
     need(cfg.data.format in DATA_FORMATS, "data.format", f"{cfg.data.format!r} must be one of {', '.join(DATA_FORMATS)}")
-    need(not cfg.data.prompt_template or "{prompt}" in cfg.data.prompt_template, "data.prompt_template",
-         "must contain {prompt}, where the row's prompt goes")
+    need(
+        not cfg.data.prompt_template or "{prompt}" in cfg.data.prompt_template,
+        "data.prompt_template",
+        "must contain {prompt}, where the row's prompt goes",
+    )
     need(all(cfg.data.metadata_keys), "data.metadata_keys", "an empty column name")
     need(cfg.data.max_metadata_bytes >= 2, "data.max_metadata_bytes", "must be >= 2 (the empty object {})")
     need(0 <= cfg.data.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
     need(cfg.data.epochs >= 1, "data.epochs", "must be >= 1")
     need(cfg.data.num_prompts >= 0, "data.num_prompts", "must be >= 0 (0 = unknown)")
     # Group-normalized advantages need a group; PPO with a critic can learn from one sample per prompt (Tulu 3).
-    need(cfg.rollout.samples_per_prompt >= 2 or cfg.algo.advantage == "gae", "rollout.samples_per_prompt",
-         f"algo.advantage = {cfg.algo.advantage} needs >= 2 per group (only gae works with 1)")
+    need(
+        cfg.rollout.samples_per_prompt >= 2 or cfg.algo.advantage == "gae",
+        "rollout.samples_per_prompt",
+        f"algo.advantage = {cfg.algo.advantage} needs >= 2 per group (only gae works with 1)",
+    )
     need(cfg.rollout.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
     need(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", f"{cfg.rollout.top_p} must be in (0, 1] (1 = off)")
@@ -381,8 +389,11 @@ def _check(cfg: Config) -> None:
     need(cfg.train.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch", "must be >= 0 (0 = count in samples)")
     need(cfg.train.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", "must be >= 1")
     need(cfg.train.sequence_parallel_size >= 1, "train.sequence_parallel_size", "must be >= 1")
-    need(cfg.train.sequence_parallel_size == 1 or cfg.train.packing, "train.sequence_parallel_size",
-         f"{cfg.train.sequence_parallel_size} needs train.packing = true (SP splits one packed row)")
+    need(
+        cfg.train.sequence_parallel_size == 1 or cfg.train.packing,
+        "train.sequence_parallel_size",
+        f"{cfg.train.sequence_parallel_size} needs train.packing = true (SP splits one packed row)",
+    )
     need(cfg.algo.advantage in ("grpo", "dr_grpo", "gae"), "algo.advantage", "must be grpo, dr_grpo or gae")
     need(0 <= cfg.algo.gamma <= 1, "algo.gamma", "must be in [0, 1]")
     need(0 <= cfg.algo.lam <= 1, "algo.lam", "must be in [0, 1]")
@@ -395,8 +406,11 @@ def _check(cfg: Config) -> None:
     need(cfg.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0")
     need(cfg.algo.value_clip > 0, "algo.value_clip", "must be > 0")
     need(cfg.algo.critic_lr > 0, "algo.critic_lr", "must be > 0")
-    need(not cfg.algo.advantage_normalize or cfg.algo.advantage == "gae", "algo.advantage_normalize",
-         f"whitens GAE advantages; algo.advantage = {cfg.algo.advantage} normalises within each group already")
+    need(
+        not cfg.algo.advantage_normalize or cfg.algo.advantage == "gae",
+        "algo.advantage_normalize",
+        f"whitens GAE advantages; algo.advantage = {cfg.algo.advantage} normalises within each group already",
+    )
     for name in ("learner_nodes", "learner_gpus_per_node", "actor_nodes", "actor_gpus_per_node", "tensor_parallel_size"):
         need(getattr(cfg.cluster, name) >= 1, f"cluster.{name}", "must be >= 1")
     need(cfg.cluster.debug_gpus >= 0, "cluster.debug_gpus", "must be >= 0 (0 = off)")
@@ -405,17 +419,23 @@ def _check(cfg: Config) -> None:
     need(cfg.eval.samples >= 1, "eval.samples", "must be >= 1")
     need(0 < cfg.eval.top_p <= 1, "eval.top_p", f"{cfg.eval.top_p} must be in (0, 1] (1 = off)")
     need(cfg.eval.top_k >= 0, "eval.top_k", f"{cfg.eval.top_k} must be >= 0 (0 = off)")
-    need(not cfg.eval.greedy or (cfg.eval.top_p == 1 and cfg.eval.top_k == 0), "eval.greedy",
-         "greedy decoding ignores eval.top_p and eval.top_k: set eval.greedy = false to sample with them")
+    need(
+        not cfg.eval.greedy or (cfg.eval.top_p == 1 and cfg.eval.top_k == 0),
+        "eval.greedy",
+        "greedy decoding ignores eval.top_p and eval.top_k: set eval.greedy = false to sample with them",
+    )
     need(all(cfg.eval.stop), "eval.stop", "an empty stop string would stop every completion at once")
     need(cfg.eval.max_prompts >= 0, "eval.max_prompts", "must be >= 0 (0 = all)")
     need(cfg.eval.timeout_s > 0, "eval.timeout_s", "must be > 0")
     need(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
     scored = cfg.checkpoint.best_metric.startswith("eval/") and cfg.eval.every_steps > 0 and cfg.checkpoint.every_steps > 0
-    need(not scored or cfg.checkpoint.every_steps % cfg.eval.every_steps == 0, "checkpoint.every_steps",
-         f"{cfg.checkpoint.every_steps} must be a multiple of eval.every_steps ({cfg.eval.every_steps}), "
-         f"so every checkpoint gets a {cfg.checkpoint.best_metric} score")
+    need(
+        not scored or cfg.checkpoint.every_steps % cfg.eval.every_steps == 0,
+        "checkpoint.every_steps",
+        f"{cfg.checkpoint.every_steps} must be a multiple of eval.every_steps ({cfg.eval.every_steps}), "
+        f"so every checkpoint gets a {cfg.checkpoint.best_metric} score",
+    )
     need(cfg.staleness.max_staleness >= 0, "staleness.max_staleness", "must be >= 0")
     need(cfg.staleness.lease_s > 0, "staleness.lease_s", "must be > 0")
     need(tcp_port(cfg.hub.bind) is not None, "hub.bind", f"{cfg.hub.bind!r} must be tcp://HOST:PORT, PORT in 1-65535")
@@ -433,8 +453,11 @@ def _check(cfg: Config) -> None:
     need(0 < cfg.actor.gpu_memory_utilization <= 1, "actor.gpu_memory_utilization", "must be in (0, 1]")
     # CPU-only fields: a GPU actor neither sets nor checks them. Each check asks on_cuda() only once it has
     # failed, so a CPU run (and a learner, which shares this file) never imports torch for it.
-    need(not cfg.actor.worker_in_engine or cfg.actor.cpu_bind == "nobind" or cfg.actor.on_cuda(), "actor.worker_in_engine",
-         f"must be false when actor.cpu_bind = {cfg.actor.cpu_bind!r}: vLLM binds OMP threads only in a worker process of its own")
+    need(
+        not cfg.actor.worker_in_engine or cfg.actor.cpu_bind == "nobind" or cfg.actor.on_cuda(),
+        "actor.worker_in_engine",
+        f"must be false when actor.cpu_bind = {cfg.actor.cpu_bind!r}: vLLM binds OMP threads only in a worker process of its own",
+    )
     need(cfg.actor.cpu_gemm in ("torch", "vllm") or cfg.actor.on_cuda(), "actor.cpu_gemm", f"{cfg.actor.cpu_gemm!r} must be torch or vllm")
     need(cfg.demo.num_actors >= 1, "demo.num_actors", "must be >= 1")
     need(cfg.demo.warmstart_steps >= 0, "demo.warmstart_steps", "must be >= 0")
@@ -450,14 +473,20 @@ def _check_auth(cfg: Config, need: Callable[[bool, str, str], None]) -> None:
     a = cfg.auth
     need(a.curve in ("auto", "on", "off"), "auth.curve", f"{a.curve!r} must be auto, on or off")
     loopback = is_loopback(cfg.hub.bind)
-    need(a.curve != "off" or loopback, "auth.curve",
-         f"off is refused for hub.bind {cfg.hub.bind} (not loopback): anyone who reaches it could take prompts "
-         "and submit samples; run `fleetrl keys --out keys` and set the auth.* key files")
+    need(
+        a.curve != "off" or loopback,
+        "auth.curve",
+        f"off is refused for hub.bind {cfg.hub.bind} (not loopback): anyone who reaches it could take prompts "
+        "and submit samples; run `fleetrl keys --out keys` and set the auth.* key files",
+    )
     if a.curve == "on" or not loopback:
-        need(any((a.server_key, a.server_secret, a.client_key, a.authorized)), "auth",
-             f"CURVE is on (auth.curve = {a.curve}, hub.bind {cfg.hub.bind}) but no key is set: run "
-             "`fleetrl keys --out keys`, then set auth.server_secret and auth.authorized on the learner, "
-             "auth.server_key and auth.client_key on actors and other clients")
+        need(
+            any((a.server_key, a.server_secret, a.client_key, a.authorized)),
+            "auth",
+            f"CURVE is on (auth.curve = {a.curve}, hub.bind {cfg.hub.bind}) but no key is set: run "
+            "`fleetrl keys --out keys`, then set auth.server_secret and auth.authorized on the learner, "
+            "auth.server_key and auth.client_key on actors and other clients",
+        )
 
 
 def tcp_port(address: str) -> int | None:

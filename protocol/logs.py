@@ -31,7 +31,7 @@ def _add_context(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, A
 
 
 def first_line(e: BaseException) -> str:
-    """"Type: the message's first line": what a one-line report of an error shows (the traceback goes to the log)."""
+    """ "Type: the message's first line": what a one-line report of an error shows (the traceback goes to the log)."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
@@ -76,7 +76,9 @@ def _stderr_logger(*_args: Any) -> structlog.PrintLogger:
     return structlog.PrintLogger(sys.stderr)
 
 
-def setup_logging(role: str, log_file: Path | None = None, level: int = logging.DEBUG if os.environ.get("FLEETRL_DEBUG") else logging.INFO, **context: Any):
+def setup_logging(
+    role: str, log_file: Path | None = None, level: int = logging.DEBUG if os.environ.get("FLEETRL_DEBUG") else logging.INFO, **context: Any
+):
     set_context(role=role, **context)
     processors: list[Any] = [
         structlog.processors.add_log_level,
@@ -118,9 +120,15 @@ def log_exception(path: Path, event: str, error: BaseException, **fields: Any) -
     """One JSON line with the traceback, written to `path` only: the console gets its own one-line summary."""
     import traceback
 
-    record = {"event": event, "level": "error", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              **{k: v for k, v in _CONTEXT.items()}, **fields, "error": f"{type(error).__name__}: {error}",
-              "exception": "".join(traceback.format_exception(error))}
+    record = {
+        "event": event,
+        "level": "error",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **{k: v for k, v in _CONTEXT.items()},
+        **fields,
+        "error": f"{type(error).__name__}: {error}",
+        "exception": "".join(traceback.format_exception(error)),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(record, default=str) + "\n")

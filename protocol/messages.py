@@ -151,8 +151,9 @@ class RolloutGroup(Message):
         if not (np.isfinite(self.rewards).all() and np.isfinite(self.behaviour_logprobs).all()):
             raise ProtocolError("RolloutGroup: non-finite reward or logprob")
         if len(self.reward_parts) != n * len(self.reward_part_names):
-            raise ProtocolError(f"RolloutGroup.reward_parts: {len(self.reward_parts)} values for {n} completions x "
-                                f"{len(self.reward_part_names)} parts")
+            raise ProtocolError(
+                f"RolloutGroup.reward_parts: {len(self.reward_parts)} values for {n} completions x {len(self.reward_part_names)} parts"
+            )
         if not np.isfinite(self.reward_parts).all():
             raise ProtocolError("RolloutGroup.reward_parts: non-finite value")
         if not 0 <= self.reward_errors <= n:
@@ -209,7 +210,9 @@ class EvalResult(Message):
         if n == 0:
             raise ProtocolError("EvalResult.lengths: no completions")
         if self.rewards.shape[0] != n or len(self.finish_reasons) != n:
-            raise ProtocolError(f"EvalResult: {n} completions but {self.rewards.shape[0]} rewards, {len(self.finish_reasons)} finish reasons")
+            raise ProtocolError(
+                f"EvalResult: {n} completions but {self.rewards.shape[0]} rewards, {len(self.finish_reasons)} finish reasons"
+            )
         if self.version_max < self.version_min:
             raise ProtocolError("EvalResult: version_max < version_min")
         if not np.isfinite(self.rewards).all():
@@ -371,8 +374,21 @@ class StatusReply(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.__name__: cls
     for cls in (
-        Register, RegisterAck, Heartbeat, WorkRequest, WorkGrant, RolloutGroup, EvalGrant, EvalResult, WeightSync,
-        WeightVersion, Error, Shutdown,
-        ControlRequest, ControlReply, StatusRequest, StatusReply,  # operations
+        Register,
+        RegisterAck,
+        Heartbeat,
+        WorkRequest,
+        WorkGrant,
+        RolloutGroup,
+        EvalGrant,
+        EvalResult,
+        WeightSync,
+        WeightVersion,
+        Error,
+        Shutdown,
+        ControlRequest,
+        ControlReply,
+        StatusRequest,
+        StatusReply,  # operations
     )
 }

@@ -46,9 +46,7 @@ def _bound(sock: zmq.Socket, hwm: int, max_frame_bytes: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_FACTOR * max_frame_bytes)
 
 
-def hub_socket(
-    ctx: zmq.asyncio.Context, bind: str, hwm: int, max_frame_bytes: int, keys: ServerKeys | None = None
-) -> zmq.asyncio.Socket:
+def hub_socket(ctx: zmq.asyncio.Context, bind: str, hwm: int, max_frame_bytes: int, keys: ServerKeys | None = None) -> zmq.asyncio.Socket:
     """The hub's ROUTER; with `keys` a CURVE server (start the ZAP handler on `ctx` before this)."""
     sock = ctx.socket(zmq.ROUTER)
     _bound(sock, hwm, max_frame_bytes)
@@ -63,8 +61,13 @@ def hub_socket(
 
 
 def client_socket(
-    ctx: zmq.asyncio.Context, connect: str, hwm: int, max_frame_bytes: int, keys: ClientKeys | None = None,
-    kind: int = zmq.DEALER, events: int = 0,
+    ctx: zmq.asyncio.Context,
+    connect: str,
+    hwm: int,
+    max_frame_bytes: int,
+    keys: ClientKeys | None = None,
+    kind: int = zmq.DEALER,
+    events: int = 0,
 ) -> zmq.asyncio.Socket:
     """Every socket that dials the hub (actor, ctl, status) is made here; `keys` from `auth.client_keys`.
 

@@ -167,8 +167,15 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def open_group(
-    store: dist.Store, bind_host: str, epoch: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo",
-    device: torch.device | None = None, made: Callable[[dist.ProcessGroup], None] | None = None,
+    store: dist.Store,
+    bind_host: str,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    backend: str = "gloo",
+    device: torch.device | None = None,
+    made: Callable[[dist.ProcessGroup], None] | None = None,
 ) -> dist.ProcessGroup:
     """Join weight-group `epoch`: gloo bound to `bind_host` (this side's own address), or NCCL on `device`.
 
@@ -204,8 +211,14 @@ _NCCL_ENV = {
 _env_lock = threading.Lock()
 
 
-def _nccl_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta, device: torch.device,
-                made: Callable[[dist.ProcessGroup], None] | None) -> dist.ProcessGroup:
+def _nccl_group(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    device: torch.device,
+    made: Callable[[dist.ProcessGroup], None] | None,
+) -> dist.ProcessGroup:
     """An NCCL group that fails its operations instead of killing the process, connected before it returns.
 
     The environment it needs (_NCCL_ENV) is set only around the constructor, so the process's other groups
@@ -276,9 +289,15 @@ def landing_numel(shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int
 
 
 def receive_buckets(
-    group: dist.ProcessGroup, names: list[str], shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int,
-    buffer: torch.Tensor | None = None, bcast: Callable[[dist.ProcessGroup, torch.Tensor], None] | None = None,
-    backend: str = "gloo", local: torch.device | None = None,
+    group: dist.ProcessGroup,
+    names: list[str],
+    shapes: list[list[int]],
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    buffer: torch.Tensor | None = None,
+    bcast: Callable[[dist.ProcessGroup, torch.Tensor], None] | None = None,
+    backend: str = "gloo",
+    local: torch.device | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Other ranks: yield each received bucket as (name, tensor view) pairs, in broadcast order.
 

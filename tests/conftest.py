@@ -70,11 +70,20 @@ def rollout_group(n=3, prompt_len=4, version=0, seed=0, actor="a0", prompt_id=7,
     total = int(lengths.sum())
     random_prompt = rng.integers(0, 20, size=prompt_len).astype(np.int32)
     return RolloutGroup(
-        actor_id=actor, prompt_id=prompt_id, epoch=epoch,
-        prompt_tokens=random_prompt if prompt_tokens is None else np.asarray(prompt_tokens, np.int32), lengths=lengths,
+        actor_id=actor,
+        prompt_id=prompt_id,
+        epoch=epoch,
+        prompt_tokens=random_prompt if prompt_tokens is None else np.asarray(prompt_tokens, np.int32),
+        lengths=lengths,
         completion_tokens=rng.integers(0, 20, size=total).astype(np.int32),
-        behaviour_logprobs=-rng.random(total).astype(np.float32), rewards=rng.random(n).astype(np.float32),
-        finish_reasons=["stop"] * n, version_min=version, version_max=version, gen_s=0.5, reward_s=0.01)
+        behaviour_logprobs=-rng.random(total).astype(np.float32),
+        rewards=rng.random(n).astype(np.float32),
+        finish_reasons=["stop"] * n,
+        version_min=version,
+        version_max=version,
+        gen_s=0.5,
+        reward_s=0.01,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,20 @@ from protocol.auth import ClientKeys
 
 
 class ScriptedActor:
-    def __init__(self, addr: str, actor_id: str, n: int, delay_s: float, seed: int, lie_every: int = 0, lie_by: int = 0,
-                 heartbeat_s: float = 0.0, eval_reward: Callable[[str, int], float] = lambda split, pid: 1.0,
-                 die_on_eval: bool = False, keys: ClientKeys | None = None):
+    def __init__(
+        self,
+        addr: str,
+        actor_id: str,
+        n: int,
+        delay_s: float,
+        seed: int,
+        lie_every: int = 0,
+        lie_by: int = 0,
+        heartbeat_s: float = 0.0,
+        eval_reward: Callable[[str, int], float] = lambda split, pid: 1.0,
+        die_on_eval: bool = False,
+        keys: ClientKeys | None = None,
+    ):
         self.addr, self.actor_id, self.n, self.delay_s = addr, actor_id, n, delay_s
         self.rng = random.Random(seed)
         self.lie_every, self.lie_by = lie_every, lie_by
@@ -62,21 +73,45 @@ class ScriptedActor:
             if self.lie_every and self.sent % self.lie_every == 0:
                 version = max(0, version - self.lie_by)
             lengths = np.full(self.n, 2, dtype=np.int32)
-            await transport.send(sock, m.RolloutGroup(
-                actor_id=self.actor_id, prompt_id=grant.prompt_id, epoch=grant.epoch, prompt_tokens=grant.prompt_tokens,
-                lengths=lengths, completion_tokens=np.ones(2 * self.n, np.int32), behaviour_logprobs=np.full(2 * self.n, -0.5, np.float32),
-                rewards=np.asarray([self.rng.random() for _ in range(self.n)], np.float32), finish_reasons=["stop"] * self.n,
-                version_min=version, version_max=version, gen_s=0.0, reward_s=0.0))
+            await transport.send(
+                sock,
+                m.RolloutGroup(
+                    actor_id=self.actor_id,
+                    prompt_id=grant.prompt_id,
+                    epoch=grant.epoch,
+                    prompt_tokens=grant.prompt_tokens,
+                    lengths=lengths,
+                    completion_tokens=np.ones(2 * self.n, np.int32),
+                    behaviour_logprobs=np.full(2 * self.n, -0.5, np.float32),
+                    rewards=np.asarray([self.rng.random() for _ in range(self.n)], np.float32),
+                    finish_reasons=["stop"] * self.n,
+                    version_min=version,
+                    version_max=version,
+                    gen_s=0.0,
+                    reward_s=0.0,
+                ),
+            )
             await transport.send(sock, m.WorkRequest(actor_id=self.actor_id, max_prompts=4))
 
         async def answer(grant: m.EvalGrant):
             while self.served < grant.policy_version:
                 await asyncio.sleep(0.005)
             await asyncio.sleep(self.delay_s * self.rng.random())
-            await transport.send(sock, m.EvalResult(
-                actor_id=self.actor_id, eval_round=grant.eval_round, split=grant.split, prompt_id=grant.prompt_id,
-                lengths=np.full(grant.n, 2, np.int32), rewards=np.full(grant.n, self.eval_reward(grant.split, grant.prompt_id), np.float32),
-                finish_reasons=["stop"] * grant.n, version_min=self.served, version_max=self.served, gen_s=0.0))
+            await transport.send(
+                sock,
+                m.EvalResult(
+                    actor_id=self.actor_id,
+                    eval_round=grant.eval_round,
+                    split=grant.split,
+                    prompt_id=grant.prompt_id,
+                    lengths=np.full(grant.n, 2, np.int32),
+                    rewards=np.full(grant.n, self.eval_reward(grant.split, grant.prompt_id), np.float32),
+                    finish_reasons=["stop"] * grant.n,
+                    version_min=self.served,
+                    version_max=self.served,
+                    gen_s=0.0,
+                ),
+            )
             self.eval_answered += 1
 
         last_beat = time.monotonic()

@@ -36,6 +36,20 @@ from actors.rewards.builtin import exact_match, math_answer, math_verify, orz
 from actors.rewards.verifiers import OpenInstructReward, by_dataset, open_instruct
 
 __all__ = [
-    "GroupScores", "OpenInstructReward", "Outcome", "Reward", "RewardContext", "assemble", "by_dataset", "exact_match",
-    "load_reward", "load_reward_fn", "math_answer", "math_verify", "open_instruct", "orz", "parse_metadata", "score_one",
+    "GroupScores",
+    "OpenInstructReward",
+    "Outcome",
+    "Reward",
+    "RewardContext",
+    "assemble",
+    "by_dataset",
+    "exact_match",
+    "load_reward",
+    "load_reward_fn",
+    "math_answer",
+    "math_verify",
+    "open_instruct",
+    "orz",
+    "parse_metadata",
+    "score_one",
 ]

@@ -87,8 +87,7 @@ def _arity(name: str, fn: Callable[..., Any]) -> int:
     required = [p for p in sig.parameters.values() if p.default is p.empty and p.kind in positional]
     keyword_only = [p.name for p in sig.parameters.values() if p.default is p.empty and p.kind is inspect.Parameter.KEYWORD_ONLY]
     if len(required) not in (1, 2) or keyword_only:
-        raise ValueError(f"rollout.reward_fn: {name}{sig} must take one argument (a RewardContext) or two "
-                         "(completion, answer)")
+        raise ValueError(f"rollout.reward_fn: {name}{sig} must take one argument (a RewardContext) or two (completion, answer)")
     return len(required)
 
 
@@ -148,5 +147,10 @@ def assemble(outcomes: list[Outcome]) -> GroupScores:
     names = sorted({name for o in outcomes for name in o.parts})
     parts = np.asarray([[o.parts.get(name, 0.0) for name in names] for o in outcomes], dtype=np.float32).reshape(-1)
     errors = [o.error for o in outcomes if o.error is not None]
-    return GroupScores(rewards=np.asarray([o.score for o in outcomes], dtype=np.float32), parts=parts, part_names=names,
-                       errors=len(errors), first_error=errors[0] if errors else None)
+    return GroupScores(
+        rewards=np.asarray([o.score for o in outcomes], dtype=np.float32),
+        parts=parts,
+        part_names=names,
+        errors=len(errors),
+        first_error=errors[0] if errors else None,
+    )

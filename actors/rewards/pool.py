@@ -114,8 +114,12 @@ class _Worker:
     async def start(cls, spec: str) -> _Worker:
         ours, theirs = socket.socketpair()
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "actors.rewards.worker", str(theirs.fileno()), spec],
-                                    pass_fds=(theirs.fileno(),), env=_child_env(), stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "actors.rewards.worker", str(theirs.fileno()), spec],
+                pass_fds=(theirs.fileno(),),
+                env=_child_env(),
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             theirs.close()
         worker = cls(proc, Connection(ours.detach()))

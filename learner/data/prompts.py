@@ -57,7 +57,8 @@ class PromptSet:
         if not self.items:
             raise ConfigError(
                 f"{name}: all {len(items)} prompts are longer than {max_tokens} tokens, the budget actor.max_model_len - "
-                "rollout.max_tokens: raise actor.max_model_len or lower rollout.max_tokens")
+                "rollout.max_tokens: raise actor.max_model_len or lower rollout.max_tokens"
+            )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -92,8 +93,7 @@ def split_holdout(items: list[T], fraction: float, seed: int) -> tuple[list[T], 
     texts = list(dict.fromkeys(it[0] for it in items))
     n_out = max(1, round(fraction * len(texts)))  # a nonzero fraction asks for at least one prompt
     if n_out >= len(texts):
-        raise ConfigError(
-            f"data.val_fraction: {fraction} of {len(texts)} distinct prompts holds out {n_out}, leaving none to train on")
+        raise ConfigError(f"data.val_fraction: {fraction} of {len(texts)} distinct prompts holds out {n_out}, leaving none to train on")
     random.Random(f"fleetrl-val-split-{seed}").shuffle(texts)  # str seeds are stable across processes
     held = set(texts[:n_out])
     return [it for it in items if it[0] not in held], [it for it in items if it[0] in held]
@@ -121,7 +121,8 @@ def load_datasets(cfg: Config, tokenizer) -> Datasets:
     log = get_logger()
     dropped = {name: s.dropped for name, s in sets.items() if s.dropped}
     if dropped:
-        log.warning("data.too_long", dropped=dropped, budget_tokens=budget,
-                    why="prompt longer than actor.max_model_len - rollout.max_tokens")
+        log.warning(
+            "data.too_long", dropped=dropped, budget_tokens=budget, why="prompt longer than actor.max_model_len - rollout.max_tokens"
+        )
     log.info("data.loaded", **{name: len(s) for name, s in sets.items()}, example=data.train[0].text[:300])
     return data

@@ -92,8 +92,10 @@ def column_of(key: str, columns: list[str]) -> str:
 
 def check_chat_template(d: DataConfig, tokenizer) -> None:
     if d.chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("data.chat_template: the tokenizer at model.path has no chat template: set data.chat_template "
-                          "= false and use data.prompt_template, or add a \"chat_template\" to its tokenizer_config.json")
+        raise ConfigError(
+            "data.chat_template: the tokenizer at model.path has no chat template: set data.chat_template "
+            '= false and use data.prompt_template, or add a "chat_template" to its tokenizer_config.json'
+        )
 
 
 def read_rows(source: str, field: str, d: DataConfig, tokenizer, split: str) -> list[Row]:
@@ -121,7 +123,8 @@ class RowReader:
         want = " or ".join(f"{p!r} and {a!r}" for p, a in shapes)
         raise ConfigError(
             f"{field}: {part.name}: no columns {want} for data.format = {self.d.format!r} (has: "
-            f"{', '.join(map(repr, part.columns)) or 'nothing'}); set data.format, or data.prompt_key and data.answer_key")
+            f"{', '.join(map(repr, part.columns)) or 'nothing'}); set data.format, or data.prompt_key and data.answer_key"
+        )
 
     def read(self, part: Part, field: str) -> list[Row]:
         if not part.rows:
@@ -129,8 +132,9 @@ class RowReader:
         prompt_key, answer_key = self.keys(part, field)
         for key in self.d.metadata_keys:
             if column_of(key, part.columns) not in part.columns:
-                raise ConfigError(f"{field}: {part.name}: data.metadata_keys names {key!r}, not a column here "
-                                  f"(has: {', '.join(map(repr, part.columns))})")
+                raise ConfigError(
+                    f"{field}: {part.name}: data.metadata_keys names {key!r}, not a column here (has: {', '.join(map(repr, part.columns))})"
+                )
         exclude = {column_of(prompt_key, part.columns), column_of(answer_key, part.columns)}
         out = []
         for i, row in enumerate(part.rows):
@@ -152,9 +156,11 @@ class RowReader:
                 return text
             prompt = [{"role": "user", "content": text}]
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError(f"{where}: column {key!r} holds chat messages, and the tokenizer at model.path has no chat "
-                              "template to render them: use a tokenizer with one (its tokenizer_config.json's "
-                              "\"chat_template\"), or string prompts with data.prompt_template")
+            raise ConfigError(
+                f"{where}: column {key!r} holds chat messages, and the tokenizer at model.path has no chat "
+                "template to render them: use a tokenizer with one (its tokenizer_config.json's "
+                '"chat_template"), or string prompts with data.prompt_template'
+            )
         import jinja2
 
         try:
@@ -173,7 +179,8 @@ class RowReader:
             raise ConfigError(
                 f"{where}: its metadata is {size} bytes of JSON, over data.max_metadata_bytes ({self.d.max_metadata_bytes}); "
                 f"column {big!r} alone is {sizes[big]}. Every grant carries it and the learner holds every row's: list the "
-                f"columns the reward needs in data.metadata_keys, or raise data.max_metadata_bytes")
+                f"columns the reward needs in data.metadata_keys, or raise data.max_metadata_bytes"
+            )
         return text
 
 
@@ -186,14 +193,16 @@ def prompt_of(value: Any, where: str, key: str) -> str | list[dict[str, Any]]:
             raise ConfigError(f"{where}: column {key!r} is empty")
         return value
     if not isinstance(value, list):
-        raise ConfigError(f"{where}: column {key!r} must be a string or a list of chat messages "
-                          f"({{\"role\", \"content\"}}), got {type(value).__name__} {value!r:.60}")
+        raise ConfigError(
+            f"{where}: column {key!r} must be a string or a list of chat messages "
+            f'({{"role", "content"}}), got {type(value).__name__} {value!r:.60}'
+        )
     messages = []
     for j, m in enumerate(value):
         # Arrow gives every message the union of all messages' keys, None where one had none: drop those.
         m = {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ConfigError(f"{where}: column {key!r}, message {j}: expected {{\"role\": str, \"content\": str}}, got {m!r:.80}")
+            raise ConfigError(f'{where}: column {key!r}, message {j}: expected {{"role": str, "content": str}}, got {m!r:.80}')
         messages.append(m)
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()

@@ -57,8 +57,11 @@ def source_files(path: Path) -> list[Path]:
     """A file itself, or a folder's .json/.jsonl/.parquet files (recursively, sorted, hidden ones skipped)."""
     if path.is_file():
         return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS
-                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    return sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and p.suffix.lower() in BUILDERS and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
 
 
 def read_source(source: str, field: str, *, split: str = "train", subset: str = "") -> list[Part]:
@@ -106,8 +109,8 @@ def read_hub(dataset_id: str, field: str, split: str, subset: str) -> Part:
             ds = datasets.load_dataset(dataset_id, subset or None, split=split)
         except (OSError, ValueError) as e:  # ConnectionError, DatasetNotFoundError (FileNotFoundError), unknown split
             raise ConfigError(
-                f"{field}: {dataset_id!r} is not a local file or folder, and loading it as a Hugging Face {name} failed: "
-                f"{first_line(e)}") from e
+                f"{field}: {dataset_id!r} is not a local file or folder, and loading it as a Hugging Face {name} failed: {first_line(e)}"
+            ) from e
     if not isinstance(ds, datasets.Dataset):
         raise ConfigError(f"{field}: {name} is not a plain dataset ({type(ds).__name__})")
     return Part(name, list(ds.column_names), ds.to_list())

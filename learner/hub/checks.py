@@ -38,8 +38,12 @@ class GroupLimits:
 
     @classmethod
     def of(cls, cfg: Config, vocab_size: int | None) -> GroupLimits:
-        return cls(vocab_size=vocab_size, max_tokens=cfg.rollout.max_tokens, min_logprob=cfg.rollout.min_logprob,
-                   reward_bound=cfg.rollout.reward_bound)
+        return cls(
+            vocab_size=vocab_size,
+            max_tokens=cfg.rollout.max_tokens,
+            min_logprob=cfg.rollout.min_logprob,
+            reward_bound=cfg.rollout.reward_bound,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,22 +55,30 @@ class Refusal:
 def check_group(group: m.RolloutGroup, granted: np.ndarray, limits: GroupLimits) -> Refusal | None:
     """None when `group` may be admitted; otherwise the first check it fails. `granted`: the prompt's tokens."""
     if not np.array_equal(group.prompt_tokens, granted):
-        return Refusal("prompt", f"prompt_tokens ({len(group.prompt_tokens)} tokens) differ from the granted prompt "
-                                 f"({len(granted)} tokens)")
+        return Refusal(
+            "prompt", f"prompt_tokens ({len(group.prompt_tokens)} tokens) differ from the granted prompt ({len(granted)} tokens)"
+        )
     lengths = group.lengths
     if lengths.min() < 1 or lengths.max() > limits.max_tokens:
-        return Refusal("length", f"completion lengths {int(lengths.min())}..{int(lengths.max())} outside "
-                                 f"1..{limits.max_tokens} (rollout.max_tokens)")
+        return Refusal(
+            "length", f"completion lengths {int(lengths.min())}..{int(lengths.max())} outside 1..{limits.max_tokens} (rollout.max_tokens)"
+        )
     tokens = group.completion_tokens
     if limits.vocab_size is not None and (tokens.min() < 0 or tokens.max() >= limits.vocab_size):
-        return Refusal("token", f"completion token ids {int(tokens.min())}..{int(tokens.max())} outside the model's "
-                                f"vocabulary 0..{limits.vocab_size - 1}")
+        return Refusal(
+            "token",
+            f"completion token ids {int(tokens.min())}..{int(tokens.max())} outside the model's vocabulary 0..{limits.vocab_size - 1}",
+        )
     logprobs = group.behaviour_logprobs
     if logprobs.max() > 0 or logprobs.min() < limits.min_logprob:
-        return Refusal("logprob", f"behaviour logprobs {float(logprobs.min()):.4g}..{float(logprobs.max()):.4g} outside "
-                                  f"[{limits.min_logprob:g}, 0] (rollout.min_logprob)")
+        return Refusal(
+            "logprob",
+            f"behaviour logprobs {float(logprobs.min()):.4g}..{float(logprobs.max()):.4g} outside "
+            f"[{limits.min_logprob:g}, 0] (rollout.min_logprob)",
+        )
     rewards = group.rewards
     if np.abs(rewards).max() > limits.reward_bound:
-        return Refusal("reward", f"reward {float(rewards[np.abs(rewards).argmax()]):.4g} beyond +-{limits.reward_bound:g} "
-                                 "(rollout.reward_bound)")
+        return Refusal(
+            "reward", f"reward {float(rewards[np.abs(rewards).argmax()]):.4g} beyond +-{limits.reward_bound:g} (rollout.reward_bound)"
+        )
     return None

@@ -33,8 +33,10 @@ def apply(hub: HubState, key: str, value: int, source: str) -> m.ControlReply:
         hub.log.warning("hub.control_refused", key=key, value=value, source=source, error=str(e))
         k = hub.max_staleness
         return m.ControlReply(ok=False, key=key, previous=k, value=k, policy_version=hub.version, detail=str(e))
-    detail = (f"max_staleness {previous} -> {value} at version {hub.version}: admission now, and every batch taken from now on "
-              f"(an update already running keeps the bound its batch was taken with)")
+    detail = (
+        f"max_staleness {previous} -> {value} at version {hub.version}: admission now, and every batch taken from now on "
+        f"(an update already running keeps the bound its batch was taken with)"
+    )
     return m.ControlReply(ok=True, key=key, previous=previous, value=value, policy_version=hub.version, detail=detail)
 
 
@@ -42,17 +44,32 @@ def status_reply(hub: HubState, now: float) -> m.StatusReply:
     """Caller holds the hub's lock."""
     actors = sorted(hub.actors.items())
     window = [min(RATE_WINDOW_S, max(now - s.joined_at, 1e-3)) for _, s in actors]
-    rates = [sum(1 for t in s.arrivals if t >= now - RATE_WINDOW_S) * hub.cfg.rollout.samples_per_prompt / w
-             for (_, s), w in zip(actors, window, strict=True)]
+    rates = [
+        sum(1 for t in s.arrivals if t >= now - RATE_WINDOW_S) * hub.cfg.rollout.samples_per_prompt / w
+        for (_, s), w in zip(actors, window, strict=True)
+    ]
     recent = list(hub.recent_staleness)
     states = hub.ledger.state_counts()
     times = hub.times
     return m.StatusReply(
-        policy_version=hub.version, max_staleness=hub.max_staleness, steps_per_update=hub.steps, updates=times.updates,
-        training=hub.training, uptime_s=now - hub.started, step_s=times.step_s, syncs=times.syncs,
-        sync_age_s=now - times.sync_started if times.syncs else 0.0, sync_s=times.sync_s, broadcast_s=times.broadcast_s,
-        buffered=len(hub.buffer), pending=states["pending"], granted=states["granted"], received=states["received"],
-        trained=states["trained"], dropped_stale=hub.counters["dropped_stale"], staleness_window=RECENT_GROUPS,
+        policy_version=hub.version,
+        max_staleness=hub.max_staleness,
+        steps_per_update=hub.steps,
+        updates=times.updates,
+        training=hub.training,
+        uptime_s=now - hub.started,
+        step_s=times.step_s,
+        syncs=times.syncs,
+        sync_age_s=now - times.sync_started if times.syncs else 0.0,
+        sync_s=times.sync_s,
+        broadcast_s=times.broadcast_s,
+        buffered=len(hub.buffer),
+        pending=states["pending"],
+        granted=states["granted"],
+        received=states["received"],
+        trained=states["trained"],
+        dropped_stale=hub.counters["dropped_stale"],
+        staleness_window=RECENT_GROUPS,
         actor_ids=[a for a, _ in actors],
         actor_served_version=np.asarray([s.served_version for _, s in actors], np.int32),
         actor_samples_per_s=np.asarray(rates, np.float32),
@@ -100,8 +117,13 @@ class ControlFile:
         settings = []
         for key, value in data.items():
             if key not in m.CONTROL_KEYS or type(value) is not int:
-                self.log.error("hub.control_file_bad", path=str(self.path), key=key, value=value,
-                               error=f"expected an integer setting, one of: {', '.join(m.CONTROL_KEYS)}")
+                self.log.error(
+                    "hub.control_file_bad",
+                    path=str(self.path),
+                    key=key,
+                    value=value,
+                    error=f"expected an integer setting, one of: {', '.join(m.CONTROL_KEYS)}",
+                )
                 continue
             settings.append((key, value))
         return settings

@@ -57,8 +57,17 @@ COUNTS = ("regranted_dead", "regranted_lease", "rejected", "duplicates")  # repo
 class EvalRound:
     """The hub-side state of one round: pending -> granted(actor, deadline) -> answered. Caller holds the hub lock."""
 
-    def __init__(self, round_id: int, version: int, sets: dict[str, PromptSet], sampling: Sampling, *,
-                 max_prompts: int = 0, lease_s: float = 120.0, seed: int = 0):
+    def __init__(
+        self,
+        round_id: int,
+        version: int,
+        sets: dict[str, PromptSet],
+        sampling: Sampling,
+        *,
+        max_prompts: int = 0,
+        lease_s: float = 120.0,
+        seed: int = 0,
+    ):
         self.round_id, self.version, self.sampling, self.lease_s = round_id, version, sampling, lease_s
         self.tasks: list[EvalTask] = []
         for split, prompts in sets.items():
@@ -109,9 +118,19 @@ class EvalRound:
     def _grant(self, idx: int) -> m.EvalGrant:
         t = self.tasks[idx]
         return m.EvalGrant(
-            eval_round=self.round_id, split=t.split, prompt_id=t.prompt_id, prompt_tokens=t.prompt.tokens,
-            answer=t.prompt.answer, policy_version=self.version, n=self.sampling.n, temperature=self.sampling.temperature,
-            seed=t.seed, lease_s=self.lease_s, prompt=t.prompt.text, metadata=t.prompt.metadata)
+            eval_round=self.round_id,
+            split=t.split,
+            prompt_id=t.prompt_id,
+            prompt_tokens=t.prompt.tokens,
+            answer=t.prompt.answer,
+            policy_version=self.version,
+            n=self.sampling.n,
+            temperature=self.sampling.temperature,
+            seed=t.seed,
+            lease_s=self.lease_s,
+            prompt=t.prompt.text,
+            metadata=t.prompt.metadata,
+        )
 
     def receive(self, msg: m.EvalResult) -> str | None:
         """Take a result (the first one for its prompt wins). Returns why it was rejected, or None."""

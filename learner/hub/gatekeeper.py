@@ -39,8 +39,11 @@ class Gatekeeper:
         self._revoked_log = Throttle(1.0)
         self.reload()
         if not self._allowed:
-            self.log.warning("auth.no_authorized_keys", folder=str(self.folder),
-                             hint="no client can connect until a key is added (fleetrl keys --out DIR --client NAME)")
+            self.log.warning(
+                "auth.no_authorized_keys",
+                folder=str(self.folder),
+                hint="no client can connect until a key is added (fleetrl keys --out DIR --client NAME)",
+            )
         # Bound to `ctx` (ZAP is per context) before the hub's socket binds: with ZAP_ENFORCE_DOMAIN a
         # handshake that finds no handler is refused, never waved through.
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("fleetrl.zap"))

@@ -52,8 +52,12 @@ def take_update_batch(hub: Hub, cfg: Config, stop: dict, log) -> tuple[list[Acce
         for item, useful in zip(batch, informative_groups(rewards).tolist(), strict=True):
             (kept if useful else filtered).append(item)
         if len(filtered) >= MAX_FILTERED_BATCHES * n and len(kept) < n:
-            log.warning("learner.filter_exhausted", filtered=len(filtered), kept=len(kept),
-                        detail="training on uninformative groups to keep the update size")
+            log.warning(
+                "learner.filter_exhausted",
+                filtered=len(filtered),
+                kept=len(kept),
+                detail="training on uninformative groups to keep the update size",
+            )
             need = n - len(kept)
             kept, filtered = kept + filtered[:need], filtered[need:]
     return kept, filtered
@@ -69,8 +73,14 @@ def settle_update(hub: Hub, items: list[Accepted], start: int, applied: int, fai
     skipped step dropped)."""
     version = start + applied
     if failed:
-        log.warning("learner.step_skipped", steps=failed, applied=applied, version=version, requeued=len(items),
-                    detail="a non-finite loss or gradient: the update's prompts go back to the queue")
+        log.warning(
+            "learner.step_skipped",
+            steps=failed,
+            applied=applied,
+            version=version,
+            requeued=len(items),
+            detail="a non-finite loss or gradient: the update's prompts go back to the queue",
+        )
         hub.abort_update(items, version)
     else:
         hub.finish_update(version, [item.key for item in items])

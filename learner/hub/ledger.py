@@ -159,9 +159,12 @@ class Ledger:
                 seen.add(key)
                 queue.append(list(key))
         return {
-            "num_prompts": self.num_prompts, "seed": self.seed, "epochs_opened": self.epochs_opened,
+            "num_prompts": self.num_prompts,
+            "seed": self.seed,
+            "epochs_opened": self.epochs_opened,
             "states": ["".join(_CODE[self.entries[(e, p)].state] for p in range(self.num_prompts)) for e in range(self.epochs_opened)],
-            "queue": queue, "counts": dict(self.counts),
+            "queue": queue,
+            "counts": dict(self.counts),
         }
 
     @classmethod

@@ -264,8 +264,9 @@ class Hub:
         try:
             self._sock = transport.hub_socket(ctx, self.cfg.hub.bind, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self._keys)
         except zmq.ZMQError as e:
-            self._start_error = ConfigError(f"hub.bind {self.cfg.hub.bind}: {e}: choose a free port on an address of this "
-                                            "host (tcp://0.0.0.0:PORT binds them all)")
+            self._start_error = ConfigError(
+                f"hub.bind {self.cfg.hub.bind}: {e}: choose a free port on an address of this host (tcp://0.0.0.0:PORT binds them all)"
+            )
             self._ready.set()
             if self._gate is not None:
                 self._gate.stop()
@@ -335,8 +336,10 @@ class Hub:
         with self.cond:
             # Operations (learner/hub/control.py): one request, one reply; the client is not an actor.
             if isinstance(msg, m.ControlRequest):
-                outs = [Out(identity, control.apply(self.state, msg.key, msg.value, source="fleetrl ctl"), reply=False),
-                        *self.state.pump(now)]
+                outs = [
+                    Out(identity, control.apply(self.state, msg.key, msg.value, source="fleetrl ctl"), reply=False),
+                    *self.state.pump(now),
+                ]
             elif isinstance(msg, m.StatusRequest):
                 outs = [Out(identity, control.status_reply(self.state, now), reply=False)]
             else:

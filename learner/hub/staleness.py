@@ -23,8 +23,7 @@ def next_update(version: int, training: bool, steps: int = 1) -> int:
     return version + steps if training else version
 
 
-def admission_capacity(version: int, training: bool, max_staleness: int, prompts_per_step: int, outstanding: int,
-                       steps: int = 1) -> int:
+def admission_capacity(version: int, training: bool, max_staleness: int, prompts_per_step: int, outstanding: int, steps: int = 1) -> int:
     """How many more prompts may be granted now. `outstanding` = granted + received but not yet trained."""
     last_start = version + max_staleness - steps + 1  # latest update start that a sample of `version` can join
     first = next_update(version, training, steps)

@@ -137,8 +137,11 @@ class HubState:
         if old is not None and old.key != key:  # only the key that registered an id may take it over
             self.counters["register_wrong_key"] += 1
             self.log.warning("hub.register_refused", actor=msg.actor_id, key=key, owner=old.key)
-            return [_error(identity, "id_taken", f"actor id {msg.actor_id!r} is registered with another key; pick another id "
-                                                 "(fleetrl actor --id)")]
+            return [
+                _error(
+                    identity, "id_taken", f"actor id {msg.actor_id!r} is registered with another key; pick another id (fleetrl actor --id)"
+                )
+            ]
         # A retry from the same connection (queued retries arrive together when a learner comes back). But -1
         # from an actor this hub saw serving a version is a rejoin: its sync failed and its worker left the
         # weight group, which must re-form, so it counts as new.
@@ -153,12 +156,14 @@ class HubState:
             for other in [a for a, s in self.actors.items() if s.identity == identity]:
                 self.release(other, f"its connection registered again as {msg.actor_id!r}")
                 self.counters["reregistered"] += 1
-            self.actors[msg.actor_id] = ActorState(identity, now, self._trusted(msg.served_version), joined_at=now, key=key,
-                                                   devices=list(msg.devices))
+            self.actors[msg.actor_id] = ActorState(
+                identity, now, self._trusted(msg.served_version), joined_at=now, key=key, devices=list(msg.devices)
+            )
             for fn in self.listeners:
                 fn(msg.actor_id, True)
-            self.log.info("hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version,
-                          ranks=len(msg.devices))
+            self.log.info(
+                "hub.actor_registered", actor=msg.actor_id, host=msg.host, pid=msg.pid, served=msg.served_version, ranks=len(msg.devices)
+            )
         return [Out(identity, m.RegisterAck(actor_id=msg.actor_id, policy_version=self.version, heartbeat_s=self.cfg.hub.heartbeat_s))]
 
     def _known(self, actor_id: str, identity: bytes, now: float) -> ActorState | None:
@@ -204,12 +209,21 @@ class HubState:
         group_key = (msg.epoch, msg.prompt_id)
         n, expected = msg.lengths.shape[0], self.cfg.rollout.samples_per_prompt
         if msg.version_min > self.version:  # weights this learner never had (a lost learner's): no fault of the actor
-            return self._refuse(identity, state, msg.actor_id, group_key, now, strike=False, refusal=Refusal(
-                "ahead", f"group of version {msg.version_min} is newer than the learner's {self.version}"))
+            return self._refuse(
+                identity,
+                state,
+                msg.actor_id,
+                group_key,
+                now,
+                strike=False,
+                refusal=Refusal("ahead", f"group of version {msg.version_min} is newer than the learner's {self.version}"),
+            )
         if not self.ledger.may_deliver(group_key, msg.actor_id):
             return self._refuse(identity, state, msg.actor_id, group_key, now, Refusal("grant", f"not granted to {msg.actor_id!r}"))
         if n != expected:
-            return self._refuse(identity, state, msg.actor_id, group_key, now, Refusal("size", f"group has {n} samples, expected {expected}"))
+            return self._refuse(
+                identity, state, msg.actor_id, group_key, now, Refusal("size", f"group has {n} samples, expected {expected}")
+            )
         if self.ledger.entries[group_key].state in (State.GRANTED, State.PENDING):  # duplicates are dropped unread
             refusal = check_group(msg, self.prompts[msg.prompt_id].tokens, self.limits)
             if refusal is not None:
@@ -223,8 +237,13 @@ class HubState:
                 self.buffer.append(item)
                 if state.first_version is None:  # its first group that can be trained: its version must be one it was sent
                     state.first_version = msg.version_min
-                    self.log.info("hub.actor_first_group", actor=msg.actor_id, version=msg.version_min, learner_version=self.version,
-                                  after_s=round(now - state.joined_at, 3))
+                    self.log.info(
+                        "hub.actor_first_group",
+                        actor=msg.actor_id,
+                        version=msg.version_min,
+                        learner_version=self.version,
+                        after_s=round(now - state.joined_at, 3),
+                    )
             else:  # already too stale on arrival: versions only grow, it can never be used
                 self._drop_stale(item)
         self.log.debug("hub.group_received", actor=msg.actor_id, key=group_key, version=msg.version_min)
@@ -265,12 +284,14 @@ class HubState:
     def _drop_stale(self, item: Accepted) -> None:
         """The sample may never be trained on; its prompt goes back to the queue."""
         self.counters["dropped_stale"] += 1
-        self.log.debug("hub.dropped_stale", key=item.key, sample_version=item.group.version_min, learner_version=self.version,
-                       k=self.max_staleness)
+        self.log.debug(
+            "hub.dropped_stale", key=item.key, sample_version=item.group.version_min, learner_version=self.version, k=self.max_staleness
+        )
         self.ledger.requeue(item.key, "stale")
 
-    def _refuse(self, identity: bytes, state: ActorState, actor_id: str, key: Key, now: float, refusal: Refusal,
-                strike: bool = True) -> list[Out]:
+    def _refuse(
+        self, identity: bytes, state: ActorState, actor_id: str, key: Key, now: float, refusal: Refusal, strike: bool = True
+    ) -> list[Out]:
         """A group not admitted: counted by reason, its prompt back to the queue, the actor told which check failed.
         With `strike` (the actor's fault) it counts toward quarantining the actor."""
         self.counters[f"rejected_{refusal.reason}"] += 1
@@ -284,10 +305,23 @@ class HubState:
                 self.release(actor_id, "quarantined", requeue="quarantined")
                 self.counters["actors_quarantined"] += 1
                 q = self.cfg.hub
-                self.log.warning("hub.actor_quarantined", actor=actor_id, key=state.key, refused=strikes, window_s=q.quarantine_window_s,
-                                 for_s=q.quarantine_s, last_reason=refusal.reason)
-                out.append(_error(identity, "quarantined", f"{strikes} groups refused within {q.quarantine_window_s:g} s (the last: "
-                                                           f"{refusal.reason}); actor {actor_id!r} is refused for {q.quarantine_s:g} s"))
+                self.log.warning(
+                    "hub.actor_quarantined",
+                    actor=actor_id,
+                    key=state.key,
+                    refused=strikes,
+                    window_s=q.quarantine_window_s,
+                    for_s=q.quarantine_s,
+                    last_reason=refusal.reason,
+                )
+                out.append(
+                    _error(
+                        identity,
+                        "quarantined",
+                        f"{strikes} groups refused within {q.quarantine_window_s:g} s (the last: "
+                        f"{refusal.reason}); actor {actor_id!r} is refused for {q.quarantine_s:g} s",
+                    )
+                )
         return [*out, *self.pump(now)]
 
     def _take_back(self, state: ActorState, actor_id: str, key: Key) -> None:
@@ -306,8 +340,9 @@ class HubState:
         is waiting on them)."""
         sends = [Out(identity, grant, reply=False) for identity, grant in self._eval_grants(now)]
         granted: list[tuple[str, int, int]] = []  # (actor, epoch, prompt id)
-        capacity = st.admission_capacity(self.version, self.training, self.max_staleness, self.cfg.train.prompts_per_step,
-                                         self.outstanding(), self.steps)
+        capacity = st.admission_capacity(
+            self.version, self.training, self.max_staleness, self.cfg.train.prompts_per_step, self.outstanding(), self.steps
+        )
         min_version = st.min_grant_version(self.version)
         lease_s = self.cfg.staleness.lease_s
         # Fairness: least-loaded actors first.
@@ -324,9 +359,22 @@ class HubState:
                 state.demand -= 1
                 capacity -= 1
                 prompt = self.prompts[key[1]]
-                sends.append(Out(state.identity, m.WorkGrant(
-                    prompt_id=key[1], epoch=key[0], prompt_tokens=prompt.tokens, answer=prompt.answer, policy_version=min_version,
-                    lease_s=lease_s, prompt=prompt.text, metadata=prompt.metadata), reply=False))
+                sends.append(
+                    Out(
+                        state.identity,
+                        m.WorkGrant(
+                            prompt_id=key[1],
+                            epoch=key[0],
+                            prompt_tokens=prompt.tokens,
+                            answer=prompt.answer,
+                            policy_version=min_version,
+                            lease_s=lease_s,
+                            prompt=prompt.text,
+                            metadata=prompt.metadata,
+                        ),
+                        reply=False,
+                    )
+                )
         self.counters["granted"] += len(granted)
         if granted:  # debug: lets an operator (and the multi-host test) follow which actor holds which prompt
             self.log.debug("hub.granted", grants=granted)
@@ -472,8 +520,10 @@ class HubState:
         """Continue from a checkpoint taken at `version`."""
         ledger = Ledger.from_state(state["ledger"], self.cfg.data.epochs)
         if ledger.num_prompts != len(self.prompts):
-            raise ValueError(f"data: the checkpoint's ledger has {ledger.num_prompts} prompts, the prompt set now has "
-                             f"{len(self.prompts)}; resume with the same data (data.path, data.val_fraction, run.seed)")
+            raise ValueError(
+                f"data: the checkpoint's ledger has {ledger.num_prompts} prompts, the prompt set now has "
+                f"{len(self.prompts)}; resume with the same data (data.path, data.val_fraction, run.seed)"
+            )
         k = state["max_staleness"]  # the bound in force when the checkpoint was taken (it may have been changed live)
         if k < self.steps - 1:
             raise ValueError(f"max_staleness: the checkpoint's {k} < {self.steps} optimizer steps per update - 1")

@@ -36,9 +36,7 @@ def informative_groups(rewards: torch.Tensor, tol: float = 1e-6) -> torch.Tensor
     return (rewards.amax(dim=1) - rewards.amin(dim=1)) > tol
 
 
-def gae(
-    rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation per sample: (advantages [T], returns [T]).
 
     rewards [S] (outcome reward per sample), values [T] (critic's value of each completion

@@ -52,15 +52,17 @@ def group_samples(group: RolloutGroup, advantages: torch.Tensor) -> list[Sample]
     out, offset = [], 0
     for i, length in enumerate(group.lengths.tolist()):
         completion = group.completion_tokens[offset : offset + length]
-        out.append(Sample(
-            tokens=np.concatenate([group.prompt_tokens, completion]),
-            prompt_len=int(group.prompt_tokens.shape[0]),
-            behaviour_logprobs=group.behaviour_logprobs[offset : offset + length],
-            advantage=float(advantages[i]),
-            reward=float(group.rewards[i]),
-            version_min=group.version_min,
-            version_max=group.version_max,
-        ))
+        out.append(
+            Sample(
+                tokens=np.concatenate([group.prompt_tokens, completion]),
+                prompt_len=int(group.prompt_tokens.shape[0]),
+                behaviour_logprobs=group.behaviour_logprobs[offset : offset + length],
+                advantage=float(advantages[i]),
+                reward=float(group.rewards[i]),
+                version_min=group.version_min,
+                version_max=group.version_max,
+            )
+        )
         offset += length
     return out
 
@@ -99,8 +101,13 @@ def make_micro_batch(samples: list[Sample], version: int) -> MicroBatch:
         adv.append(torch.full((c,), s.advantage))
         on_policy.append(torch.full((c,), s.version_min == s.version_max == version))
     return MicroBatch(
-        input_ids=ids, attention_mask=mask, score_rows=torch.cat(rows), score_cols=torch.cat(cols),
-        targets=torch.cat(targets), behaviour_logp=torch.cat(behaviour), token_adv=torch.cat(adv).float(),
+        input_ids=ids,
+        attention_mask=mask,
+        score_rows=torch.cat(rows),
+        score_cols=torch.cat(cols),
+        targets=torch.cat(targets),
+        behaviour_logp=torch.cat(behaviour),
+        token_adv=torch.cat(adv).float(),
         on_policy=torch.cat(on_policy),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         lengths=torch.tensor([len(s.tokens) - s.prompt_len for s in samples], dtype=torch.long),

@@ -62,6 +62,7 @@ class Critic(nn.Module):
         """
         # use_cache=False: with a KV cache transformers skips the packed-sequence detection, and a
         # packed row would silently attend across its sequences.
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False, **attention_kwargs).last_hidden_state
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **attention_kwargs
+        ).last_hidden_state
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()

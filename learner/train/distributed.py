@@ -79,5 +79,14 @@ def make_topology(sp_size: int) -> Topology:
         mpu = init_sequence_parallel(sp_size)
         sp_group = mpu.get_sequence_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return Topology(rank=rank, world=world, sp_size=sp_size, dp_size=world // sp_size, dp_rank=rank // sp_size,
-                    sp_rank=rank % sp_size, sp_group=sp_group, mpu=mpu, device=device)
+    return Topology(
+        rank=rank,
+        world=world,
+        sp_size=sp_size,
+        dp_size=world // sp_size,
+        dp_rank=rank // sp_size,
+        sp_rank=rank % sp_size,
+        sp_group=sp_group,
+        mpu=mpu,
+        device=device,
+    )

@@ -58,12 +58,18 @@ class NoCorrection:
     clip_high: float
     needs_prox: ClassVar[bool] = False
 
-    def __call__(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
-                 prox_logp: torch.Tensor | None = None) -> Surrogate:
+    def __call__(
+        self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor, prox_logp: torch.Tensor | None = None
+    ) -> Surrogate:
         ratio = torch.exp(torch.clamp(logp - behaviour_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         surr = clipped_surrogate(ratio, adv, self.clip_low, self.clip_high)
-        return Surrogate(surr=surr, ratio=ratio.detach(), clipped=_outside(ratio.detach(), self.clip_low, self.clip_high),
-                         truncated=torch.zeros_like(adv, dtype=torch.bool), weight=None)
+        return Surrogate(
+            surr=surr,
+            ratio=ratio.detach(),
+            clipped=_outside(ratio.detach(), self.clip_low, self.clip_high),
+            truncated=torch.zeros_like(adv, dtype=torch.bool),
+            weight=None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +82,9 @@ class TruncatedIS:
     cap: float
     needs_prox: ClassVar[bool] = False
 
-    def __call__(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
-                 prox_logp: torch.Tensor | None = None) -> Surrogate:
+    def __call__(
+        self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor, prox_logp: torch.Tensor | None = None
+    ) -> Surrogate:
         s = NoCorrection(clip_low=self.clip_low, clip_high=self.clip_high)(logp, behaviour_logp, adv)
         bound = self.cap * adv
         truncated = (adv < 0) & (s.surr < bound)
@@ -95,16 +102,22 @@ class DecoupledPPO:
     cap: float
     needs_prox: ClassVar[bool] = True
 
-    def __call__(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
-                 prox_logp: torch.Tensor | None = None) -> Surrogate:
+    def __call__(
+        self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor, prox_logp: torch.Tensor | None = None
+    ) -> Surrogate:
         assert prox_logp is not None, "decoupled PPO needs the proximal logprobs (learner, before this update)"
         prox_logp = prox_logp.detach()
         ratio = torch.exp(logp - prox_logp)
         raw_weight = torch.exp(prox_logp - behaviour_logp)
         weight = torch.clamp(raw_weight, max=self.cap)
         surr = weight * clipped_surrogate(ratio, adv, self.clip_low, self.clip_high)
-        return Surrogate(surr=surr, ratio=ratio.detach(), clipped=_outside(ratio.detach(), self.clip_low, self.clip_high),
-                         truncated=raw_weight > self.cap, weight=weight)
+        return Surrogate(
+            surr=surr,
+            ratio=ratio.detach(),
+            clipped=_outside(ratio.detach(), self.clip_low, self.clip_high),
+            truncated=raw_weight > self.cap,
+            weight=weight,
+        )
 
 
 Correction = NoCorrection | TruncatedIS | DecoupledPPO
@@ -189,9 +202,14 @@ class PolicyLoss:
             entropy_mean = entropy.detach().mean()
         w = s.weight
         return PolicyLossOut(
-            loss=loss, clip_frac=s.clipped.float().mean(), ratio_mean=s.ratio.mean(), trunc_frac=s.truncated.float().mean(),
-            iw_mean=None if w is None else w.mean(), iw_max=None if w is None else w.max(),
-            kl_mean=kl_mean, entropy_mean=entropy_mean,
+            loss=loss,
+            clip_frac=s.clipped.float().mean(),
+            ratio_mean=s.ratio.mean(),
+            trunc_frac=s.truncated.float().mean(),
+            iw_mean=None if w is None else w.mean(),
+            iw_max=None if w is None else w.max(),
+            kl_mean=kl_mean,
+            entropy_mean=entropy_mean,
         )
 
 
@@ -205,8 +223,9 @@ def make_correction(algo: AlgoConfig) -> Correction:
 
 
 def make_policy_loss(algo: AlgoConfig) -> PolicyLoss:
-    return PolicyLoss(correction=make_correction(algo), kl_coef=algo.kl_coef, kl=KL_ESTIMATORS[algo.kl_estimator],
-                      entropy_coef=algo.entropy_coef)
+    return PolicyLoss(
+        correction=make_correction(algo), kl_coef=algo.kl_coef, kl=KL_ESTIMATORS[algo.kl_estimator], entropy_coef=algo.entropy_coef
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -215,9 +234,7 @@ class ValueLossOut:
     clip_frac: torch.Tensor  # share of tokens whose new value left [V_old - value_clip, V_old + value_clip]
 
 
-def value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float, total_tokens: int
-) -> ValueLossOut:
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float, total_tokens: int) -> ValueLossOut:
     """Clipped value loss: 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), token-level.
 
     Taking the max makes the clip pessimistic: a value that ran past the trust region toward R

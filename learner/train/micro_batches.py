@@ -63,7 +63,7 @@ def split_to(bins: list[list[int]], lengths: list[int], count: int) -> list[list
         halves: tuple[list[int], list[int]] = ([], [])
         for i in sorted(bins[b], key=lambda i: -lengths[i]):  # each to the lighter half
             min(halves, key=lambda h: (sum(lengths[j] for j in h), len(h))).append(i)
-        bins[b:b + 1] = [halves[0], halves[1]]
+        bins[b : b + 1] = [halves[0], halves[1]]
     return bins
 
 
@@ -76,8 +76,7 @@ def cut_mini_batch(lengths: list[int], ranks: int, budget: int, samples: int) ->
     if budget <= 0:
         per_rank = len(lengths) // ranks
         assert per_rank * ranks == len(lengths) and per_rank % samples == 0, (len(lengths), ranks, samples)
-        return [[list(range(r * per_rank + i, r * per_rank + i + samples)) for i in range(0, per_rank, samples)]
-                for r in range(ranks)]
+        return [[list(range(r * per_rank + i, r * per_rank + i + samples)) for i in range(0, per_rank, samples)] for r in range(ranks)]
     dealt = balanced_ranks(lengths, ranks)
     packed = [[[mine[i] for i in b] for b in pack_tokens([lengths[i] for i in mine], budget)] for mine in dealt]
     count = max(len(p) for p in packed)

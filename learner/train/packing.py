@@ -3,8 +3,8 @@
 The row is the samples back to back: input_ids [1, N], position_ids restarting at 0
 for each sample (so RoPE sees each sample from its own start), and cu_seqlens, the
 sample boundaries that the varlen attention (learner/train/attention/varlen.py, plugged
-into the model by learner/train/attention/hf.py) keeps apart. Completion tokens are laid out flat exactly as in learner/train/batch.py's padded
-MicroBatch (same order, same fields), with score_rows all 0 and score_cols the
+into the model by learner/train/attention/hf.py) keeps apart. Completion tokens are laid
+out flat exactly as in learner/train/batch.py's padded MicroBatch (same order, same fields), with score_rows all 0 and score_cols the
 packed position whose logit predicts each token, so `token_logprobs` and the losses
 apply unchanged.
 """
@@ -36,17 +36,28 @@ class PackedBatch:
 
     def model_kwargs(self) -> dict:
         """Forward kwargs for a model whose attention is "fleetrl_varlen" (names are transformers' own)."""
-        return dict(input_ids=self.input_ids, position_ids=self.position_ids,
-                    cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
-                    max_length_q=self.max_seqlen, max_length_k=self.max_seqlen)
+        return dict(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            cu_seq_lens_q=self.cu_seqlens,
+            cu_seq_lens_k=self.cu_seqlens,
+            max_length_q=self.max_seqlen,
+            max_length_k=self.max_seqlen,
+        )
 
     def to(self, device: torch.device | str) -> PackedBatch:
         return replace(
-            self, input_ids=self.input_ids.to(device), position_ids=self.position_ids.to(device),
-            cu_seqlens=self.cu_seqlens.to(device), score_rows=self.score_rows.to(device),
-            score_cols=self.score_cols.to(device), targets=self.targets.to(device),
-            behaviour_logp=self.behaviour_logp.to(device), token_adv=self.token_adv.to(device),
-            on_policy=self.on_policy.to(device))
+            self,
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+            score_rows=self.score_rows.to(device),
+            score_cols=self.score_cols.to(device),
+            targets=self.targets.to(device),
+            behaviour_logp=self.behaviour_logp.to(device),
+            token_adv=self.token_adv.to(device),
+            on_policy=self.on_policy.to(device),
+        )
 
 
 def pack_samples(samples: list[Sample], version: int) -> PackedBatch:
@@ -66,9 +77,15 @@ def pack_samples(samples: list[Sample], version: int) -> PackedBatch:
         on_policy.append(torch.full((c,), s.version_min == s.version_max == version))
     score_cols = torch.cat(cols)
     return PackedBatch(
-        input_ids=ids[None], position_ids=positions[None], cu_seqlens=torch.from_numpy(starts.astype(np.int32)),
-        max_seqlen=max(lengths), score_rows=torch.zeros_like(score_cols), score_cols=score_cols,
-        targets=ids[score_cols + 1], behaviour_logp=torch.cat(behaviour), token_adv=torch.cat(adv),
+        input_ids=ids[None],
+        position_ids=positions[None],
+        cu_seqlens=torch.from_numpy(starts.astype(np.int32)),
+        max_seqlen=max(lengths),
+        score_rows=torch.zeros_like(score_cols),
+        score_cols=score_cols,
+        targets=ids[score_cols + 1],
+        behaviour_logp=torch.cat(behaviour),
+        token_adv=torch.cat(adv),
         on_policy=torch.cat(on_policy),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         lengths=torch.tensor([len(s.tokens) - s.prompt_len for s in samples], dtype=torch.long),

@@ -49,8 +49,17 @@ class ChunkedLogprobs(torch.autograd.Function):
     distribution after top-k / top-p (top_k = 0 and top_p = 1: none)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
-                entropy: bool, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        entropy: bool,
+        top_k: int = 0,
+        top_p: float = 1.0,
+    ) -> torch.Tensor:
         acc = _acc_dtype(weight)
         out = torch.zeros(hidden.shape[0], 2, dtype=acc, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
@@ -181,26 +190,46 @@ def install_scoring_head(model: nn.Module) -> ScoringHead:
 
 
 @contextlib.contextmanager
-def scoring(head: ScoringHead, rows: torch.Tensor, cols: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
-            entropy: bool, top_k: int = 0, top_p: float = 1.0) -> Iterator[None]:
+def scoring(
+    head: ScoringHead,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk: int,
+    entropy: bool,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Iterator[None]:
     """Inside: a forward of the model returns `[T, 2]` as its "logits". Only the head is armed, and it is not
     re-run by activation checkpointing (that recomputes decoder layers), so the block may end after the forward."""
-    head.scoring = Scoring(rows=rows, cols=cols, targets=targets, temperature=temperature, chunk=chunk, entropy=entropy,
-                           top_k=top_k, top_p=top_p)
+    head.scoring = Scoring(
+        rows=rows, cols=cols, targets=targets, temperature=temperature, chunk=chunk, entropy=entropy, top_k=top_k, top_p=top_p
+    )
     try:
         yield
     finally:
         head.scoring = None
 
 
-def score_tokens(model: nn.Module, head: ScoringHead, mb, temperature: float, chunk: int, entropy: bool,
-                 device: torch.device, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def score_tokens(
+    model: nn.Module,
+    head: ScoringHead,
+    mb,
+    temperature: float,
+    chunk: int,
+    entropy: bool,
+    device: torch.device,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [T], entropies [T]) of a TokenBatch's completion tokens under `model` (whose lm_head is `head`),
     on `device`, of the distribution sampled with `temperature`, `top_k` and `top_p`; the entropies (of that same
     distribution) are 0 unless `entropy`."""
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.model_kwargs().items()}
-    with scoring(head, mb.score_rows.to(device), mb.score_cols.to(device), mb.targets.to(device), temperature, chunk, entropy,
-                 top_k, top_p):
+    with scoring(
+        head, mb.score_rows.to(device), mb.score_cols.to(device), mb.targets.to(device), temperature, chunk, entropy, top_k, top_p
+    ):
         # use_cache=False: with a KV cache transformers would not keep packed samples apart.
         out = model(**kwargs, use_cache=False).logits
     return out[:, 0], out[:, 1]

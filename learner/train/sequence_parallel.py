@@ -86,9 +86,15 @@ def shard_packed(packed: PackedBatch, group: dist.ProcessGroup, pad_id: int = 0)
     t0, t1 = (int(x) for x in torch.searchsorted(packed.score_cols, torch.tensor([lo, hi], device=device)))
     cols = packed.score_cols[t0:t1] - lo
     return SequenceShard(
-        input_ids=ids[lo:hi][None], position_ids=positions[lo:hi][None],
-        ring=RingContext(group=group, cu_seqlens=cu_seqlens), tokens=slice(t0, t1),
-        score_rows=torch.zeros_like(cols), score_cols=cols, targets=packed.targets[t0:t1],
-        behaviour_logp=packed.behaviour_logp[t0:t1], token_adv=packed.token_adv[t0:t1],
-        on_policy=packed.on_policy[t0:t1], useful=max(0, min(n, total - lo)),
+        input_ids=ids[lo:hi][None],
+        position_ids=positions[lo:hi][None],
+        ring=RingContext(group=group, cu_seqlens=cu_seqlens),
+        tokens=slice(t0, t1),
+        score_rows=torch.zeros_like(cols),
+        score_cols=cols,
+        targets=packed.targets[t0:t1],
+        behaviour_logp=packed.behaviour_logp[t0:t1],
+        token_adv=packed.token_adv[t0:t1],
+        on_policy=packed.on_policy[t0:t1],
+        useful=max(0, min(n, total - lo)),
     )

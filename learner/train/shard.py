@@ -52,8 +52,10 @@ def encode_share(share: Share) -> np.ndarray:
     tokens = np.concatenate([x.tokens for x in s]).astype(np.int32) if s else np.zeros(0, np.int32)
     behaviour = np.concatenate([x.behaviour_logprobs for x in s]).astype(np.float32) if s else np.zeros(0, np.float32)
     parts = [
-        np.array([len(s), len(share.mini_batch_tokens), tokens.size, behaviour.size, share.version, share.max_staleness, share.save_step],
-                 dtype=np.int64),
+        np.array(
+            [len(s), len(share.mini_batch_tokens), tokens.size, behaviour.size, share.version, share.max_staleness, share.save_step],
+            dtype=np.int64,
+        ),
         np.asarray(share.mini_batch_tokens, dtype=np.int64),
         np.array([len(m) for m in share.micro_sizes], dtype=np.int64),
         np.array([n for m in share.micro_sizes for n in m], dtype=np.int32),
@@ -95,13 +97,26 @@ def decode_share(buf: np.ndarray) -> Share:
     samples, t, c = [], 0, 0
     for i in range(n):
         length, plen = int(lengths[i]), int(prompt_lens[i])
-        samples.append(Sample(
-            tokens=tokens[t : t + length], prompt_len=plen, behaviour_logprobs=behaviour[c : c + length - plen],
-            advantage=float(advantages[i]), reward=float(rewards[i]),
-            version_min=int(versions[i, 0]), version_max=int(versions[i, 1])))
+        samples.append(
+            Sample(
+                tokens=tokens[t : t + length],
+                prompt_len=plen,
+                behaviour_logprobs=behaviour[c : c + length - plen],
+                advantage=float(advantages[i]),
+                reward=float(rewards[i]),
+                version_min=int(versions[i, 0]),
+                version_max=int(versions[i, 1]),
+            )
+        )
         t, c = t + length, c + length - plen
-    return Share(samples=samples, mini_batch_tokens=[int(x) for x in mb_tokens], micro_sizes=micro_sizes, version=version,
-                 max_staleness=k, save_step=save_step)
+    return Share(
+        samples=samples,
+        mini_batch_tokens=[int(x) for x in mb_tokens],
+        micro_sizes=micro_sizes,
+        version=version,
+        max_staleness=k,
+        save_step=save_step,
+    )
 
 
 def scatter_shares(topo: Topology, shares: list[Share] | None) -> Share:
@@ -132,8 +147,16 @@ def scatter_shares(topo: Topology, shares: list[Share] | None) -> Share:
     return decode_share(out[: int(size.item())].cpu().numpy())
 
 
-def split_rollout_batch(samples: list[Sample], mini_batches: int, dp_size: int, seed: int, version: int, max_staleness: int,
-                        token_budget: int = 0, micro_samples: int = 0) -> list[Share]:
+def split_rollout_batch(
+    samples: list[Sample],
+    mini_batches: int,
+    dp_size: int,
+    seed: int,
+    version: int,
+    max_staleness: int,
+    token_budget: int = 0,
+    micro_samples: int = 0,
+) -> list[Share]:
     """Shuffle (seeded), cut into `mini_batches` equal mini-batches, deal each over `dp_size` ranks and cut
     each rank's part into micro-batches (learner/train/micro_batches.py): of `micro_samples` samples when
     `token_budget` is 0, else packed up to `token_budget` tokens, the same count on every rank.
@@ -142,8 +165,9 @@ def split_rollout_batch(samples: list[Sample], mini_batches: int, dp_size: int, 
     """
     order = np.random.default_rng(seed).permutation(len(samples)) if mini_batches > 1 else np.arange(len(samples))
     per_mb = len(samples) // mini_batches
-    assert per_mb * mini_batches == len(samples) and per_mb % dp_size == 0, \
+    assert per_mb * mini_batches == len(samples) and per_mb % dp_size == 0, (
         f"{len(samples)} samples do not split into {mini_batches} x {dp_size}"
+    )
     micro = micro_samples or per_mb // dp_size
     shuffled = [samples[i] for i in order]
     shares = [Share(samples=[], mini_batch_tokens=[], version=version, max_staleness=max_staleness) for _ in range(dp_size)]

@@ -55,13 +55,17 @@ class StepWatch:
         """`loss_flags`: `self.loss_flags` summed over the ranks."""
         assert len(self.skips) == len(loss_flags), f"{len(self.skips)} steps watched, {len(loss_flags)} loss flags"
         norms = [None if n is None else float(n) for n in self.norms]
-        failed = [s for s, (skip, bad, norm) in enumerate(zip(self.skips, loss_flags, norms, strict=True))
-                  if skip or bad > 0 or (norm is not None and not math.isfinite(norm))]
+        failed = [
+            s
+            for s, (skip, bad, norm) in enumerate(zip(self.skips, loss_flags, norms, strict=True))
+            if skip or bad > 0 or (norm is not None and not math.isfinite(norm))
+        ]
         for s in failed:
             norm = norms[s]
             if not self.skips[s] and (norm is None or not math.isfinite(norm)):
                 raise NonFiniteStep(
                     f"optimizer step {s} of this update applied a non-finite loss or gradient (norm {norm}): DeepSpeed "
                     "checks gradients only under ZeRO (train.zero_stage >= 1) or bfloat16; the weights may hold NaN, "
-                    "resume from the last checkpoint")
+                    "resume from the last checkpoint"
+                )
         return StepOutcome(applied=len(self.skips) - sum(self.skips), failed=failed)

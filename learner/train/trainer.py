@@ -56,8 +56,9 @@ class StepLayout:
     @classmethod
     def of(cls, plan: Plan) -> StepLayout:
         """The layout `fleetrl plan` computed for this run (learner/plan.py checks it adds up)."""
-        return cls(mini_batches=plan.mini_batches, ppo_epochs=plan.ppo_epochs, micro_samples=plan.micro_batch,
-                   accumulation=plan.accumulation)
+        return cls(
+            mini_batches=plan.mini_batches, ppo_epochs=plan.ppo_epochs, micro_samples=plan.micro_batch, accumulation=plan.accumulation
+        )
 
     @property
     def steps(self) -> int:
@@ -78,12 +79,22 @@ def deepspeed_config(cfg: Config, layout: StepLayout, lr: float, cuda: bool) -> 
             "type": "AdamW",
             # torch_adam: torch's own AdamW. DeepSpeed's fused Adam is a JIT-compiled op (no compiler on some GPU
             # machines, none for the CPU build); torch's fused CUDA kernel does the same work in one launch.
-            "params": {"lr": lr, "weight_decay": cfg.train.weight_decay, "betas": [0.9, 0.999], "torch_adam": True,
-                       **({"fused": True} if cuda else {})},
+            "params": {
+                "lr": lr,
+                "weight_decay": cfg.train.weight_decay,
+                "betas": [0.9, 0.999],
+                "torch_adam": True,
+                **({"fused": True} if cuda else {}),
+            },
         },
         "scheduler": {
             "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": max(1, cfg.train.warmup_steps), "warmup_type": "linear"},
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": lr,
+                "warmup_num_steps": max(1, cfg.train.warmup_steps),
+                "warmup_type": "linear",
+            },
         },
         "zero_optimization": {"stage": cfg.train.zero_stage, **_sp_zero3_fix(cfg)},
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
@@ -119,8 +130,9 @@ class UpdateStats:
     failed_steps: list[int]  # steps skipped or with a non-finite loss or gradient norm (learner/train/step_check.py)
 
 
-def make_shares(cfg: Config, groups: list[RolloutGroup], version: int, max_staleness: int, dp_size: int,
-                vocab_size: int | None = None) -> tuple[list[Share], torch.Tensor]:
+def make_shares(
+    cfg: Config, groups: list[RolloutGroup], version: int, max_staleness: int, dp_size: int, vocab_size: int | None = None
+) -> tuple[list[Share], torch.Tensor]:
     """Rank 0: group-level advantages, then the samples cut into one share per DP rank, and into micro-batches.
 
     Raises InvalidBatch (learner/train/batch.py) for groups no model could train on, before anything reaches
@@ -131,9 +143,16 @@ def make_shares(cfg: Config, groups: list[RolloutGroup], version: int, max_stale
     # Group advantages need the whole group, so rank 0 computes them; GAE is per sample and runs on each rank.
     advantages = unit.per_sample(rewards) if isinstance(unit, GroupAdvantage) else torch.zeros_like(rewards)
     samples = [s for g, adv in zip(groups, advantages, strict=True) for s in group_samples(g, adv)]
-    shares = split_rollout_batch(samples, cfg.train.mini_batches, dp_size, seed=cfg.run.seed * 1_000_003 + version,
-                                 version=version, max_staleness=max_staleness, token_budget=token_budget(cfg.train),
-                                 micro_samples=cfg.train.micro_batch_samples)
+    shares = split_rollout_batch(
+        samples,
+        cfg.train.mini_batches,
+        dp_size,
+        seed=cfg.run.seed * 1_000_003 + version,
+        version=version,
+        max_staleness=max_staleness,
+        token_budget=token_budget(cfg.train),
+        micro_samples=cfg.train.micro_batch_samples,
+    )
     return shares, advantages
 
 
@@ -145,8 +164,9 @@ class Trainer:
         self.advantage = make_advantage(cfg.algo)
         self.policy_loss = make_policy_loss(cfg.algo)
         if self.advantage.needs_critic and topo.sp_size > 1:
-            raise ConfigError("algo.advantage: gae needs every value of a sample on one rank; "
-                              "it does not run with train.sequence_parallel_size > 1 yet")
+            raise ConfigError(
+                "algo.advantage: gae needs every value of a sample on one rank; it does not run with train.sequence_parallel_size > 1 yet"
+            )
         # Padded rows, one packed row, or this rank's chunk of it (SP): chosen once, with its attention.
         self.attention = attention_implementation(cfg.train)
         self.build = micro_batch_layout(cfg.train, topo.sp_group)
@@ -158,8 +178,11 @@ class Trainer:
             _checkpoint_layers(model)
         self.vocab_size = embedding_rows(model)  # read before DeepSpeed: ZeRO-3 leaves empty placeholders
         self.engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=deepspeed_config(cfg, layout, cfg.train.lr, topo.device.type == "cuda"), mpu=topo.mpu)
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=deepspeed_config(cfg, layout, cfg.train.lr, topo.device.type == "cuda"),
+            mpu=topo.mpu,
+        )
         self.critic = self.reference = None
         if self.advantage.needs_critic:
             from learner.train.critic import Critic
@@ -168,9 +191,12 @@ class Trainer:
             critic.backbone.set_attn_implementation(self.attention)  # type: ignore[operator]
             if cfg.train.gradient_checkpointing:
                 _checkpoint_layers(critic.backbone)
-            self.critic, *_ = deepspeed.initialize(model=critic, model_parameters=list(critic.parameters()),
-                                                   config=deepspeed_config(cfg, layout, cfg.algo.critic_lr, topo.device.type == "cuda"),
-                                                   mpu=topo.mpu)
+            self.critic, *_ = deepspeed.initialize(
+                model=critic,
+                model_parameters=list(critic.parameters()),
+                config=deepspeed_config(cfg, layout, cfg.algo.critic_lr, topo.device.type == "cuda"),
+                mpu=topo.mpu,
+            )
         if self.policy_loss.needs_reference or cfg.algo.keep_reference:
             from learner.train.reference import ReferencePolicy
 
@@ -196,8 +222,9 @@ class Trainer:
         else:
             yield
 
-    def snapshot(self, buckets: list[range], dtype: torch.dtype, out: list[torch.Tensor] | None,
-                 host: bool = False) -> list[torch.Tensor] | None:
+    def snapshot(
+        self, buckets: list[range], dtype: torch.dtype, out: list[torch.Tensor] | None, host: bool = False
+    ) -> list[torch.Tensor] | None:
         """Collective: rank 0 copies the weights into one flat tensor per bucket (reusing `out`); others join the gathers.
 
         The buffers are on this rank's device, so on GPUs the weight group sends from GPU memory with no trip
@@ -210,8 +237,7 @@ class Trainer:
         device = torch.device("cpu") if host else self.topo.device
         if self.topo.is_root and out is None:
             pin = device.type == "cpu" and self.topo.device.type == "cuda"
-            out = [torch.empty(sum(int(np.prod(shapes[i])) for i in b), dtype=dtype, device=device, pin_memory=pin)
-                   for b in buckets]
+            out = [torch.empty(sum(int(np.prod(shapes[i])) for i in b), dtype=dtype, device=device, pin_memory=pin) for b in buckets]
         for k, bucket in enumerate(buckets):
             chunk = [params[i] for i in bucket]
             with self.gathered(chunk), torch.no_grad():
@@ -229,7 +255,8 @@ class Trainer:
         steps, version, max_staleness = self.layout.steps, share.version, share.max_staleness
         for s in share.samples:  # the hard invariant, checked once more where it matters
             assert st.admissible(version, s.version_min, max_staleness, steps), (
-                f"sample of version {s.version_min} in update {version} -> {version + steps} breaks max_staleness={max_staleness}")
+                f"sample of version {s.version_min} in update {version} -> {version + steps} breaks max_staleness={max_staleness}"
+            )
         chunks = _micro_chunks(share)
         assert len(chunks) == self.layout.mini_batches, f"{len(chunks)} mini-batches in the share, {self.layout} expected"
         # Micro-batches are built once, on the host, then copied to the device once (no stream sync per copy);
@@ -240,8 +267,13 @@ class Trainer:
         host = np.zeros(len(_HOST_SUMS))
         for j, mbs in enumerate(built):
             for mb in mbs:
-                host += [int(mb.on_policy.sum()) if j == 0 else 0, len(mb.targets), _useful_tokens(mb),
-                         mb.model_kwargs()["input_ids"].numel(), 0]
+                host += [
+                    int(mb.on_policy.sum()) if j == 0 else 0,
+                    len(mb.targets),
+                    _useful_tokens(mb),
+                    mb.model_kwargs()["input_ids"].numel(),
+                    0,
+                ]
         host *= [1, self.layout.ppo_epochs, self.layout.ppo_epochs, self.layout.ppo_epochs, 0]
         # What right-padded rows would have processed for the same micro-batches (counted once per SP group).
         if self.topo.sp_rank == 0:
@@ -281,12 +313,19 @@ class Trainer:
         if self.critic is not None:
             metrics["loss/value"] = total["loss/value"] / steps
         return UpdateStats(
-            loss=total["loss"] / steps, samples=len(share.samples) * self.topo.dp_size, tokens=int(tokens) // self.layout.ppo_epochs,
-            logprob_mismatch=total["mismatch"] / on_policy if on_policy else float("nan"), on_policy_tokens=int(on_policy),
+            loss=total["loss"] / steps,
+            samples=len(share.samples) * self.topo.dp_size,
+            tokens=int(tokens) // self.layout.ppo_epochs,
+            logprob_mismatch=total["mismatch"] / on_policy if on_policy else float("nan"),
+            on_policy_tokens=int(on_policy),
             packing_efficiency=total["useful"] / total["processed"] if total["processed"] else float("nan"),
             padded_efficiency=total["useful"] / total["padded"] if total["padded"] else float("nan"),
-            clip_frac=total["clipped"] / tokens if tokens else 0.0, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            extra=metrics, applied_steps=outcome.applied, failed_steps=outcome.failed)
+            clip_frac=total["clipped"] / tokens if tokens else 0.0,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            extra=metrics,
+            applied_steps=outcome.applied,
+            failed_steps=outcome.failed,
+        )
 
     @torch.no_grad()
     def _prepare(self, mb: TokenBatch) -> dict[str, torch.Tensor]:
@@ -297,8 +336,13 @@ class Trainer:
             self.engine.eval()
             out["prox"] = self._score(mb, entropy=False)[0]
         if self.reference is not None:
-            out["ref"] = self.reference.logprobs(mb, self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens,
-                                                 top_k=self.cfg.rollout.top_k, top_p=self.cfg.rollout.top_p)
+            out["ref"] = self.reference.logprobs(
+                mb,
+                self.cfg.rollout.temperature,
+                self.cfg.train.logprob_chunk_tokens,
+                top_k=self.cfg.rollout.top_k,
+                top_p=self.cfg.rollout.top_p,
+            )
         if self.critic is not None:
             self.critic.eval()
             values = self.critic(**self._kwargs(mb))
@@ -313,9 +357,13 @@ class Trainer:
         ranks (one all-reduce), as Open-Reasoner-Zero normalises its replay buffer (advantage_normalize)."""
         advs = [e["advantages"] for e in extras]
         device = advs[0].device
-        stats = torch.stack([sum((a.double().sum() for a in advs), torch.zeros((), dtype=torch.float64, device=device)),
-                             sum((a.double().square().sum() for a in advs), torch.zeros((), dtype=torch.float64, device=device)),
-                             torch.tensor(float(sum(a.numel() for a in advs)), dtype=torch.float64, device=device)])
+        stats = torch.stack(
+            [
+                sum((a.double().sum() for a in advs), torch.zeros((), dtype=torch.float64, device=device)),
+                sum((a.double().square().sum() for a in advs), torch.zeros((), dtype=torch.float64, device=device)),
+                torch.tensor(float(sum(a.numel() for a in advs)), dtype=torch.float64, device=device),
+            ]
+        )
         if self.topo.world > 1:
             dist.all_reduce(stats)
         total, squares, count = stats.unbind()
@@ -330,18 +378,36 @@ class Trainer:
     def _score(self, mb: TokenBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's (logprobs, entropies) of the micro-batch's completion tokens, on the device."""
         r = self.cfg.rollout  # the distribution the actors sampled from: temperature, then top-k and top-p
-        return score_tokens(self.engine, self.head, mb, r.temperature, self.cfg.train.logprob_chunk_tokens, entropy, self.topo.device,
-                            top_k=r.top_k, top_p=r.top_p)
+        return score_tokens(
+            self.engine,
+            self.head,
+            mb,
+            r.temperature,
+            self.cfg.train.logprob_chunk_tokens,
+            entropy,
+            self.topo.device,
+            top_k=r.top_k,
+            top_p=r.top_p,
+        )
 
-    def _micro_step(self, mb: TokenBatch, extra: dict[str, torch.Tensor], total_tokens: int, scale: float, first_step: bool) -> torch.Tensor:
+    def _micro_step(
+        self, mb: TokenBatch, extra: dict[str, torch.Tensor], total_tokens: int, scale: float, first_step: bool
+    ) -> torch.Tensor:
         self.engine.train()
         dev = self.topo.device
         logp, entropy = self._score(mb, entropy=self.policy_loss.needs_entropy)
         behaviour = mb.behaviour_logp.to(dev)
         prox = extra.get("prox", logp.detach()) if self.policy_loss.needs_prox else None  # S = 1: the weights have not moved yet
         adv = extra.get("advantages", mb.token_adv).to(dev)
-        out = self.policy_loss(logp, behaviour, adv, total_tokens, prox_logp=prox, ref_logp=extra.get("ref"),
-                               entropy=entropy if self.policy_loss.needs_entropy else None)
+        out = self.policy_loss(
+            logp,
+            behaviour,
+            adv,
+            total_tokens,
+            prox_logp=prox,
+            ref_logp=extra.get("ref"),
+            entropy=entropy if self.policy_loss.needs_entropy else None,
+        )
         self.engine.backward(out.loss * scale, scale_wrt_gas=False)
         # DeepSpeed counts micro-steps: step() after every backward, the optimizer runs at the boundary.
         self.engine.step()
@@ -358,8 +424,13 @@ class Trainer:
         if self.critic is not None:
             self.critic.train()
             values = self.critic(**self._kwargs(mb))
-            v = value_loss(values[mb.score_rows.to(dev), mb.score_cols.to(dev)].float(), extra["old_values"], extra["returns"],
-                           self.cfg.algo.value_clip, total_tokens)
+            v = value_loss(
+                values[mb.score_rows.to(dev), mb.score_cols.to(dev)].float(),
+                extra["old_values"],
+                extra["returns"],
+                self.cfg.algo.value_clip,
+                total_tokens,
+            )
             self.critic.backward(v.loss * scale, scale_wrt_gas=False)
             self.critic.step()
             row.update({"loss/value": v.loss.detach(), "loss/value_clip_frac": v.clip_frac * n})
@@ -414,6 +485,9 @@ def _to_device(mb: TokenBatch, device: torch.device) -> TokenBatch:
     memory waits for the GPU to drain). Other fields (a ring context, ints) stay as they are."""
     if device.type != "cuda":
         return mb
-    moved = {f.name: getattr(mb, f.name).pin_memory().to(device, non_blocking=True) for f in dataclasses.fields(mb)  # type: ignore[arg-type]
-             if isinstance(getattr(mb, f.name), torch.Tensor)}
+    moved = {
+        f.name: getattr(mb, f.name).pin_memory().to(device, non_blocking=True)
+        for f in dataclasses.fields(mb)  # type: ignore[arg-type]
+        if isinstance(getattr(mb, f.name), torch.Tensor)
+    }
     return dataclasses.replace(mb, **moved)  # type: ignore[type-var]

@@ -95,8 +95,12 @@ class Buckets:
         """Every bucket copied: what may be broadcast while the parameters keep changing."""
         return [self.copy(i) for i in range(len(self))]
 
-    def send(self, group: dist.ProcessGroup, snapshot: list[torch.Tensor] | None,
-             bcast: Callable[[dist.ProcessGroup, torch.Tensor], None] = wg.broadcast) -> None:
+    def send(
+        self,
+        group: dist.ProcessGroup,
+        snapshot: list[torch.Tensor] | None,
+        bcast: Callable[[dist.ProcessGroup, torch.Tensor], None] = wg.broadcast,
+    ) -> None:
         """Broadcast every bucket from `snapshot`, or, without one, from live memory where there is
         some (the caller guarantees the parameters do not change until this returns). `bcast` sends
         one bucket (protocol/abortable.py's gives up when a member is removed)."""

@@ -36,8 +36,9 @@ class WeightSource:
         """Rank 0's sender, reading the parameters in place or through the snapshot (see `snapshot`)."""
         names = [n for n, _ in self.trainer.named_parameters()]
         params: list[torch.Tensor] | None = None if self.sharded else [p for _, p in self.trainer.named_parameters()]
-        sender = WeightSender(cfg.weights, names, self.trainer.full_shapes(), cfg.model.dtype, params=params,
-                              device=self.trainer.topo.device)
+        sender = WeightSender(
+            cfg.weights, names, self.trainer.full_shapes(), cfg.model.dtype, params=params, device=self.trainer.topo.device
+        )
         assert sender.ranges == self.buckets, "the sender's buckets and the followers' gathers must match"
         if not self.sharded:
             sender.guard(self.trainer.engine.optimizer)

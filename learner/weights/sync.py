@@ -104,8 +104,15 @@ class Serving:
 
 
 class WeightSender:
-    def __init__(self, cfg: WeightsConfig, names: list[str], shapes: list[list[int]], dtype: str,
-                 params: list[torch.Tensor] | None = None, device: torch.device | None = None):
+    def __init__(
+        self,
+        cfg: WeightsConfig,
+        names: list[str],
+        shapes: list[list[int]],
+        dtype: str,
+        params: list[torch.Tensor] | None = None,
+        device: torch.device | None = None,
+    ):
         """`params`: the full parameters when rank 0 holds them (ZeRO <= 2); None under ZeRO-3 (sync gets a snapshot).
         `device`: the learner's own device, where the snapshots are (default: the parameters', else the CPU)."""
         self.cfg = cfg
@@ -213,8 +220,13 @@ class WeightSender:
         self._stop.clear()
         self._thread = threading.Thread(target=self._serve, args=(version, flats, first), name="fleetrl-weights", daemon=True)
         self._thread.start()
-        out.update({"time/weight_sync": time.perf_counter() - t0, "weights/members": float(len(members)),
-                    "weights/probation": float(len(live) - len(members))})
+        out.update(
+            {
+                "time/weight_sync": time.perf_counter() - t0,
+                "weights/members": float(len(members)),
+                "weights/probation": float(len(live) - len(members)),
+            }
+        )
         return out
 
     def start(self, version: int, hub: Hub, snapshot: Snapshot | None = None) -> None:
@@ -362,25 +374,55 @@ class WeightSender:
                 self.group, self.members, self.plan, self._group_stale = None, list(members), plan, False
                 self.epoch += 1
                 epoch = self.group_epoch = self.epoch
-            att = Attempt(version=version, epoch=epoch, members=list(members), plan=plan, new_group=not reuse,
-                          gens={a: self._gens[a] for a in members}, catchup=catchup, side=side)
+            att = Attempt(
+                version=version,
+                epoch=epoch,
+                members=list(members),
+                plan=plan,
+                new_group=not reuse,
+                gens={a: self._gens[a] for a in members},
+                catchup=catchup,
+                side=side,
+            )
             self._attempt, self._abort_why = att, None
         if old is not None:
             wg.close_group(*old)
         if att.new_group:
-            self.log.info("weights.new_group_epoch", epoch=att.epoch, members=att.members, version=version,
-                          backend=plan.backend, world_size=plan.world_size, probation=side)
+            self.log.info(
+                "weights.new_group_epoch",
+                epoch=att.epoch,
+                members=att.members,
+                version=version,
+                backend=plan.backend,
+                world_size=plan.world_size,
+                probation=side,
+            )
             if plan.fallback:
-                self.log.warning("weights.gloo_fallback", epoch=att.epoch, why=plan.fallback,
-                                 how="each bucket goes GPU -> pinned host memory -> gloo -> the members' GPUs")
+                self.log.warning(
+                    "weights.gloo_fallback",
+                    epoch=att.epoch,
+                    why=plan.fallback,
+                    how="each bucket goes GPU -> pinned host memory -> gloo -> the members' GPUs",
+                )
         rank_of = {a: (plan.first[k], plan.counts[k]) for k, a in enumerate(members)}
 
         def make(actor_id: str) -> m.WeightSync:
             first, count = rank_of[actor_id]
             return m.WeightSync(
-                policy_version=version, group_epoch=att.epoch, store_host=self.cfg.host, store_port=self.port,
-                rank=first, ranks=count, world_size=plan.world_size, backend=plan.backend, timeout_s=self.cfg.timeout_s,
-                names=self.names, shapes=self.shapes, dtype=self.dtype, bucket_bytes=self.bucket_bytes)
+                policy_version=version,
+                group_epoch=att.epoch,
+                store_host=self.cfg.host,
+                store_port=self.port,
+                rank=first,
+                ranks=count,
+                world_size=plan.world_size,
+                backend=plan.backend,
+                timeout_s=self.cfg.timeout_s,
+                names=self.names,
+                shapes=self.shapes,
+                dtype=self.dtype,
+                bucket_bytes=self.bucket_bytes,
+            )
 
         self._hub.send_weight_sync(members, make)
         att.joins_by = time.monotonic() + self.cfg.join_timeout_s
@@ -444,8 +486,9 @@ class WeightSender:
         which gives the attempt up: the serving loop re-forms the epoch at once without it."""
         assert self._hub is not None
         plan = att.plan
-        keys = {a: [joined_key(att.epoch, r) for r in range(plan.first[k], plan.first[k] + plan.counts[k])]
-                for k, a in enumerate(att.members)}  # one per rank: each engine worker joins on its own
+        keys = {
+            a: [joined_key(att.epoch, r) for r in range(plan.first[k], plan.first[k] + plan.counts[k])] for k, a in enumerate(att.members)
+        }  # one per rank: each engine worker joins on its own
         every = [key for ks in keys.values() for key in ks]
         with self._lock:
             by = {a: self._join_by.setdefault((a, att.gens[a]), att.joins_by) for a in att.members}
@@ -476,8 +519,12 @@ class WeightSender:
         """Build the epoch's group (every member said it joined) by att.joins_by. A group that does not connect
         in time names no culprit: learner/weights/membership.py decides who is tried apart, or evicted."""
         assert self._hub is not None
-        waits = Abortable(should_abort=lambda: self._why_abort(att), timeout_s=max(0.0, att.joins_by - time.monotonic()),
-                          graveyard=self.graveyard, poll_s=POLL_S)
+        waits = Abortable(
+            should_abort=lambda: self._why_abort(att),
+            timeout_s=max(0.0, att.joins_by - time.monotonic()),
+            graveyard=self.graveyard,
+            poll_s=POLL_S,
+        )
         try:
             group = waits.build(lambda made: self._build(att, made), lambda g: wg.close_group(g, att.plan.backend))
         except Aborted:
@@ -486,8 +533,7 @@ class WeightSender:
                     current = [a for a in att.members if self._gens[a] == att.gens[a]]
                     evict = self.membership.connect_failed(current)
                 why = f"weight group epoch {att.epoch} did not connect within weights.join_timeout_s = {self.cfg.join_timeout_s} s"
-                self.log.warning("weights.connect_failed", epoch=att.epoch, members=att.members, evicted=evict,
-                                 backend=att.plan.backend)
+                self.log.warning("weights.connect_failed", epoch=att.epoch, members=att.members, evicted=evict, backend=att.plan.backend)
                 for a in evict:
                     self._hub.evict(a, why + " (its only member: nobody else to blame)")
             raise
@@ -512,8 +558,17 @@ class WeightSender:
         # A store client of its own: an abandoned rendezvous keeps blocking in it until its timeout.
         store = wg.open_store(self.cfg.host, self.port, is_master=False, timeout_s=self.cfg.timeout_s)
         backend = att.plan.backend
-        return wg.open_group(store, self.cfg.host, att.epoch, 0, att.plan.world_size, self.cfg.timeout_s, backend,
-                             wg.group_device(backend, self.device), made)
+        return wg.open_group(
+            store,
+            self.cfg.host,
+            att.epoch,
+            0,
+            att.plan.world_size,
+            self.cfg.timeout_s,
+            backend,
+            wg.group_device(backend, self.device),
+            made,
+        )
 
     def _give_up(self, att: Attempt, error: RuntimeError, elapsed: float) -> None:
         """Tell the members the epoch is over (before returning: the optimizer may write the parameters next)."""
@@ -528,5 +583,11 @@ class WeightSender:
             wg.close_group(dead, att.plan.backend)
         self._staging.drop()  # an abandoned gloo send may still read it: the next epoch stages into fresh memory
         self._serving.failed += 1
-        self.log.warning("weights.attempt_failed", epoch=att.epoch, version=att.version, members=att.members,
-                         seconds=round(elapsed, 3), error=(str(error).splitlines() or [type(error).__name__])[0][:300])
+        self.log.warning(
+            "weights.attempt_failed",
+            epoch=att.epoch,
+            version=att.version,
+            members=att.members,
+            seconds=round(elapsed, 3),
+            error=(str(error).splitlines() or [type(error).__name__])[0][:300],
+        )

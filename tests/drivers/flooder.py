@@ -35,10 +35,20 @@ from protocol.codec import encode  # noqa: E402
 def group(actor: str, prompt_id: int, rng: random.Random) -> m.RolloutGroup:
     n, length = 2, 3
     return m.RolloutGroup(
-        actor_id=actor, prompt_id=prompt_id, epoch=0, prompt_tokens=np.arange(4, dtype=np.int32),
-        lengths=np.full(n, length, np.int32), completion_tokens=np.ones(n * length, np.int32),
-        behaviour_logprobs=np.full(n * length, -0.5, np.float32), rewards=np.asarray([rng.random() for _ in range(n)], np.float32),
-        finish_reasons=["stop"] * n, version_min=0, version_max=0, gen_s=0.0, reward_s=0.0)
+        actor_id=actor,
+        prompt_id=prompt_id,
+        epoch=0,
+        prompt_tokens=np.arange(4, dtype=np.int32),
+        lengths=np.full(n, length, np.int32),
+        completion_tokens=np.ones(n * length, np.int32),
+        behaviour_logprobs=np.full(n * length, -0.5, np.float32),
+        rewards=np.asarray([rng.random() for _ in range(n)], np.float32),
+        finish_reasons=["stop"] * n,
+        version_min=0,
+        version_max=0,
+        gen_s=0.0,
+        reward_s=0.0,
+    )
 
 
 def pools(max_frame_bytes: int, rng: random.Random) -> dict[str, list[list[bytes]]]:
@@ -59,7 +69,9 @@ def pools(max_frame_bytes: int, rng: random.Random) -> dict[str, list[list[bytes
         "extra_frames": [[*f, *[b"x" * 16] * 10] for f in valid],
         "oversized": [[b"\x00" * int(max_frame_bytes * 1.5)]],
         "huge_type_name": [[msgpack.packb({"v": m.PROTOCOL_VERSION, "t": "X" * 50_000, "f": {}, "a": []})]],
-        "unknown_heartbeat": [[bytes(f) for f in encode(m.Heartbeat(actor_id=f"{ghost}-{i}", served_version=0, groups_in_flight=0))] for i in range(64)],
+        "unknown_heartbeat": [
+            [bytes(f) for f in encode(m.Heartbeat(actor_id=f"{ghost}-{i}", served_version=0, groups_in_flight=0))] for i in range(64)
+        ],
         "unknown_work_request": [[bytes(f) for f in encode(m.WorkRequest(actor_id=f"{ghost}-{i}", max_prompts=1000))] for i in range(64)],
         "unknown_rollout": valid,
     }

@@ -1,10 +1,10 @@
 """Process trees for tests/integration/test_lifeline.py, made with the calls the actor uses (actors/lifeline.py), without vLLM.
 
-    lifeline_tree.py tree         a root with children: spawned (which spawns a grandchild), forked from the main
-                                  thread, forked from a thread that then ends. Prints one JSON line {role: pid} once
-                                  all are up, then sleeps.
-    lifeline_tree.py stop GRACE   a root whose main thread never acts on a stop request (stuck, as during vLLM's engine
-                                  start), with a child; prints "ready CHILD_PID", then on the deadline "overdue SIGNUM KILLED".
+lifeline_tree.py tree         a root with children: spawned (which spawns a grandchild), forked from the main
+                              thread, forked from a thread that then ends. Prints one JSON line {role: pid} once
+                              all are up, then sleeps.
+lifeline_tree.py stop GRACE   a root whose main thread never acts on a stop request (stuck, as during vLLM's engine
+                              start), with a child; prints "ready CHILD_PID", then on the deadline "overdue SIGNUM KILLED".
 """
 
 from __future__ import annotations

@@ -64,8 +64,12 @@ def main() -> None:
 
     def write(path: Path) -> None:
         save_engines(trainer, path / STATE_DIR)  # collective: the other ranks are in it now (Share.save_step)
-        write_learner_state(path / STATE_DIR, LearnerState(updates=done, version=version, steps_per_update=layout.steps,
-                                                           world=topo.world, zero_stage=cfg.train.zero_stage, hub={}))
+        write_learner_state(
+            path / STATE_DIR,
+            LearnerState(
+                updates=done, version=version, steps_per_update=layout.steps, world=topo.world, zero_stage=cfg.train.zero_stage, hub={}
+            ),
+        )
 
     checkpoints = CheckpointManager(cfg.checkpoint, Path(run_dir), write) if topo.is_root else None
     losses: dict[int, float] = {}
@@ -90,9 +94,18 @@ def main() -> None:
     if topo.is_root:
         assert flats is not None
         weights = torch.cat(flats).double()
-        Path(out_path).write_text(json.dumps({"losses": losses, "version": version, "optimizer_steps": trainer.engine.global_steps,
-                                              "lr": trainer.engine.get_lr()[0], "weight_sum": float(weights.sum()),
-                                              "weight_abs": float(weights.abs().sum())}))
+        Path(out_path).write_text(
+            json.dumps(
+                {
+                    "losses": losses,
+                    "version": version,
+                    "optimizer_steps": trainer.engine.global_steps,
+                    "lr": trainer.engine.get_lr()[0],
+                    "weight_sum": float(weights.sum()),
+                    "weight_abs": float(weights.abs().sum()),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,16 @@ from protocol.messages import RolloutGroup  # noqa: E402
 
 
 def groups_for(update: int, version: int, cfg) -> list[RolloutGroup]:
-    return synthetic_groups(groups=cfg.train.prompts_per_step, samples=cfg.rollout.samples_per_prompt, seed=1000 + update,
-                            version=version, prompt_len=4, completion=(1, 4), vocab=(3, 20), behaviour_logp=-2.5)
+    return synthetic_groups(
+        groups=cfg.train.prompts_per_step,
+        samples=cfg.rollout.samples_per_prompt,
+        seed=1000 + update,
+        version=version,
+        prompt_len=4,
+        completion=(1, 4),
+        vocab=(3, 20),
+        behaviour_logp=-2.5,
+    )
 
 
 def main() -> None:
@@ -48,7 +56,11 @@ def main() -> None:
     buckets = wg.plan_buckets(trainer.full_shapes(), 4, 1 << 20)
     losses, grad_norms, extras, micro, version, flats = [], [], [], [], 0, None
     for update in range(cfg.train.total_steps):
-        shares = make_shares(cfg, groups_for(update, version, cfg), version, cfg.staleness.max_staleness, topo.dp_size)[0] if topo.is_root else None
+        shares = (
+            make_shares(cfg, groups_for(update, version, cfg), version, cfg.staleness.max_staleness, topo.dp_size)[0]
+            if topo.is_root
+            else None
+        )
         share = scatter_shares(topo, shares)
         micro.append(share.micro_sizes)  # rank 0's: how its samples were cut into micro-batches
         stats = trainer.update(share)
@@ -60,9 +72,21 @@ def main() -> None:
     if topo.is_root:
         assert flats is not None
         weights = torch.cat(flats)
-        Path(out_path).write_text(json.dumps({"losses": losses, "grad_norms": grad_norms, "extras": extras, "micro_sizes": micro, "version": version, "samples": stats.samples,
-                                              "weight_sum": float(weights.double().sum()), "weight_abs": float(weights.double().abs().sum()),
-                                              "world": topo.world}))
+        Path(out_path).write_text(
+            json.dumps(
+                {
+                    "losses": losses,
+                    "grad_norms": grad_norms,
+                    "extras": extras,
+                    "micro_sizes": micro,
+                    "version": version,
+                    "samples": stats.samples,
+                    "weight_sum": float(weights.double().sum()),
+                    "weight_abs": float(weights.double().abs().sum()),
+                    "world": topo.world,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

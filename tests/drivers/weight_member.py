@@ -102,15 +102,22 @@ def main() -> None:
             result = receiver.receive(fields, loader(sync, digest))
             seconds = round(time.perf_counter() - t0, 3)
             if "error" in result:
-                say(event="failed", version=sync.policy_version, epoch=sync.group_epoch, error=result["error"],
-                    buckets_loaded=result["buckets_loaded"], seconds=seconds)
+                say(
+                    event="failed",
+                    version=sync.policy_version,
+                    epoch=sync.group_epoch,
+                    error=result["error"],
+                    buckets_loaded=result["buckets_loaded"],
+                    seconds=seconds,
+                )
                 continue
             say(event="synced", version=sync.policy_version, epoch=sync.group_epoch, digest=digest.hexdigest(), seconds=seconds)
-            done.put(m.WeightVersion(actor_id=args.actor_id, served_version=sync.policy_version, group_epoch=sync.group_epoch, load_s=seconds))
+            done.put(
+                m.WeightVersion(actor_id=args.actor_id, served_version=sync.policy_version, group_epoch=sync.group_epoch, load_s=seconds)
+            )
 
     def register() -> None:
-        sock.send_multipart(encode(m.Register(actor_id=args.actor_id, host="test", pid=os.getpid(), served_version=0,
-                                              devices=[identity])))
+        sock.send_multipart(encode(m.Register(actor_id=args.actor_id, host="test", pid=os.getpid(), served_version=0, devices=[identity])))
 
     threading.Thread(target=apply_syncs, daemon=True).start()
     register()

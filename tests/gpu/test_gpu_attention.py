@@ -69,8 +69,7 @@ def _check_against_reference(attend, lengths):
 def test_this_gpu_gets_a_varlen_kernel():
     if va.varlen_attn is not None:
         assert va.TORCH_VARLEN is not None, "this torch's varlen_attn has a signature we cannot read"
-    want = ("flash_attn" if va.flash_attn_varlen_func is not None
-            else "torch_varlen" if va.TORCH_VARLEN is not None else "sdpa_no_cudnn")
+    want = "flash_attn" if va.flash_attn_varlen_func is not None else "torch_varlen" if va.TORCH_VARLEN is not None else "sdpa_no_cudnn"
     assert va.kernel_for("cuda", BF16, False) == want
 
 
@@ -104,6 +103,7 @@ def test_no_cudnn_attention_on_cuda(dtype):
     def run(attend):
         def go():
             attend().backward(dout)
+
         return _op_names(go)
 
     packed = run(lambda: va.varlen_causal_attention(q, k, v, cu, 700, SCALE))
@@ -128,7 +128,7 @@ def test_flash_ring_blocks_match_dense_blocks(rank, src):
     rects, causal = _rects(BLOCK_BOUNDS, n, rank, src)
     assert rects
     q, k, v, _, _ = _inputs(np.diff(BLOCK_BOUNDS).tolist(), seed=rank * 3 + src)
-    q, k, v = q[:, :, rank * n:(rank + 1) * n], k[:, :, src * n:(src + 1) * n], v[:, :, src * n:(src + 1) * n]
+    q, k, v = q[:, :, rank * n : (rank + 1) * n], k[:, :, src * n : (src + 1) * n], v[:, :, src * n : (src + 1) * n]
     flash, dense = FlashBlocks(SCALE, {}), MatmulBlocks(SCALE)
     fq, fk, fv = flash.enter(q, k, v)
     dq_, dk_, dv_ = dense.enter(q.double(), k.double(), v.double())
@@ -147,8 +147,17 @@ def test_flash_ring_blocks_match_dense_blocks(rank, src):
     f_grads = [torch.zeros(t.shape, device="cuda") for t in (fq, fk, fv)]
     flash.backward(fq, fk, fv, out, dout, lse, rects, causal, *f_grads)
     d_grads = [torch.zeros(t.shape, dtype=torch.float64, device="cuda") for t in (dq_, dk_, dv_)]
-    dense.backward(dq_, dk_, dv_, out.double().reshape(dq_.shape), dout.double().reshape(dq_.shape),
-                   lse.double().reshape(dq_.shape[:-1]), rects, causal, *d_grads)
+    dense.backward(
+        dq_,
+        dk_,
+        dv_,
+        out.double().reshape(dq_.shape),
+        dout.double().reshape(dq_.shape),
+        lse.double().reshape(dq_.shape[:-1]),
+        rects,
+        causal,
+        *d_grads,
+    )
     for name, f, d in zip("qkv", f_grads, d_grads, strict=True):
         heads = f.shape[1]
         assert _rel_err(f, d.reshape(heads, n, DIM).transpose(0, 1)) < 2e-2, f"d{name}"
@@ -183,8 +192,7 @@ def test_packed_model_matches_padded_on_gpu():
     model = tiny_qwen2(HEADS, KV_HEADS).to("cuda", BF16)
     padded = make_micro_batch(samples, version=3)
     with torch.no_grad():
-        ref = token_logprobs(model(input_ids=padded.input_ids.cuda(), attention_mask=padded.attention_mask.cuda()).logits,
-                             padded, 1.0)
+        ref = token_logprobs(model(input_ids=padded.input_ids.cuda(), attention_mask=padded.attention_mask.cuda()).logits, padded, 1.0)
         model.set_attn_implementation(VARLEN)
         packed = pack_samples(samples, version=3).to("cuda")
         got = token_logprobs(model(**packed.model_kwargs()).logits, packed, 1.0)

@@ -16,16 +16,36 @@ from protocol.net import free_port
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = ["train.total_steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_samples=4",
-            "train.mini_batches=2", "staleness.max_staleness=1", "train.lr=1e-3", "train.zero_stage=2",
-            "cluster.learner_gpus_per_node=1"]
+SETTINGS = [
+    "train.total_steps=3",
+    "train.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "train.micro_batch_samples=4",
+    "train.mini_batches=2",
+    "staleness.max_staleness=1",
+    "train.lr=1e-3",
+    "train.zero_stage=2",
+    "cluster.learner_gpus_per_node=1",
+]
 BUDGET = ("train.max_tokens_per_micro_batch=12", "actor.max_model_len=10", "train.logprob_chunk_tokens=3")
 
 
 def run_gpu(model_dir: Path, tmp_path: Path, name: str, *overrides: str) -> dict:
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
-           str(ROOT / "tests" / "drivers" / "train_steps.py"), str(model_dir), str(out), *SETTINGS, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "tests" / "drivers" / "train_steps.py"),
+        str(model_dir),
+        str(out),
+        *SETTINGS,
+        *overrides,
+    ]
     env = {**os.environ, "DS_ACCELERATOR": "cuda", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

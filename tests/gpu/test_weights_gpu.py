@@ -73,7 +73,9 @@ def test_receive_buckets_land_in_a_cuda_buffer_with_names_and_dtypes():
     assert buf.device == local and not buf.is_pinned()
     waits = Abortable(should_abort=lambda: None, timeout_s=60, graveyard=Graveyard())
     seen = []
-    for pairs in wg.receive_buckets(group, names, shapes, torch.bfloat16, 40 << 10, buf, bcast=waits.broadcast, backend="nccl", local=local):
+    for pairs in wg.receive_buckets(
+        group, names, shapes, torch.bfloat16, 40 << 10, buf, bcast=waits.broadcast, backend="nccl", local=local
+    ):
         for name, t in pairs:
             assert t.device == local and t.dtype == torch.bfloat16
             assert t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # a view of the one landing buffer
@@ -104,8 +106,18 @@ def test_one_gpu_learner_and_engine_sync_through_pinned_host_memory(tmp_path):
     from protocol.config import load_config
 
     path = write_tiny_model(tmp_path / "model", seed=3)
-    cfg = load_config(None, [f"model.path={path}", "actor.device=cuda", "actor.gpu_memory_utilization=0.3", "rollout.temperature=0.7",
-                             "rollout.max_tokens=12", "actor.max_model_len=32", "weights.bucket_mb=1"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={path}",
+            "actor.device=cuda",
+            "actor.gpu_memory_utilization=0.3",
+            "rollout.temperature=0.7",
+            "rollout.max_tokens=12",
+            "actor.max_model_len=32",
+            "weights.bucket_mb=1",
+        ],
+    )
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
 

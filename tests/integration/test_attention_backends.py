@@ -30,8 +30,8 @@ BF16 = torch.bfloat16
 
 # -- the choice ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("device,flash_attn,torch_varlen",
-                         list(itertools.product(["cpu", "cuda"], [True, False], [True, False])))
+
+@pytest.mark.parametrize("device,flash_attn,torch_varlen", list(itertools.product(["cpu", "cuda"], [True, False], [True, False])))
 def test_kernel_choice(device, flash_attn, torch_varlen):
     got = va.choose_kernel(device, BF16, False, flash_attn=flash_attn, torch_varlen=torch_varlen)
     if device == "cpu":
@@ -48,8 +48,7 @@ def test_kernel_choice(device, flash_attn, torch_varlen):
 def test_kernel_choice_outside_the_flash_kernels_reach():
     # fp32 on CUDA: no flash kernel takes it, and cuDNN stays off
     for flash_attn, torch_varlen in itertools.product([True, False], repeat=2):
-        assert va.choose_kernel("cuda", torch.float32, False, flash_attn=flash_attn,
-                                torch_varlen=torch_varlen) == "sdpa_no_cudnn"
+        assert va.choose_kernel("cuda", torch.float32, False, flash_attn=flash_attn, torch_varlen=torch_varlen) == "sdpa_no_cudnn"
     # torch's varlen_attn has no dropout; flash-attn's has
     assert va.choose_kernel("cuda", BF16, True, flash_attn=False, torch_varlen=True) == "sdpa_no_cudnn"
     assert va.choose_kernel("cuda", BF16, True, flash_attn=True, torch_varlen=True) == "flash_attn"
@@ -72,27 +71,43 @@ def test_no_cudnn_context_and_global_switch():
 
 # -- torch's varlen_attn: keywords by signature, plumbing with a stand-in -----------------------------------
 
+
 def _varlen_math(q, k, v, cu_q, cu_k, scale, causal):
     """[total, H, D] x [total, Hkv, D] per sequence, by SDPA on CPU."""
     bounds = cu_q.tolist()
     assert bounds == cu_k.tolist()
     parts = []
     for a, b in zip(bounds, bounds[1:], strict=False):
-        out = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=causal,
-                                             scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=causal, scale=scale, enable_gqa=True
+        )
         parts.append(out[0].transpose(0, 1))
     return torch.cat(parts)
 
 
-def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                window_size=(-1, -1)):
+def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
     assert query.dim() == 3 and key.shape[1] <= query.shape[1] and max_q == max_k
     assert max_q == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
     return _varlen_math(query, key, value, cu_seq_q, cu_seq_k, scale, window_size == (-1, 0))
 
 
-def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def varlen_2_13(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     if not enable_gqa and query.shape[1] != key.shape[1]:
         raise ValueError("Try setting enable_gqa=True for GQA.")
     return varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
@@ -166,6 +181,7 @@ def _dense_reference(q, k, v, cu, scale):
 
 # -- the ring's flash blocks, driven through stand-ins of aten's flash ops -----------------------------------
 
+
 def _segment_scores(q, k, scale, causal):
     """q [Lq, H, D], k [Lk, Hkv, D] -> scores [H, Lq, Lk] (KV head h // group for query head h), k expanded."""
     kk = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -199,8 +215,7 @@ def fake_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, 
     return out.to(dtype), lse.to(lse_dtype), torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
 
 
-def fake_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng_state, unused,
-                        *, scale):
+def fake_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, *, scale):
     """Gradients under the GIVEN out and lse, in q's dtype; GQA's dK/dV summed over each group."""
     assert out.shape == dout.shape == q.shape and out.dtype == dout.dtype == q.dtype, "out/dout as q: [total_q, H, D]"
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous(), "lse: contiguous [H, total_q]"
@@ -230,8 +245,7 @@ def _rel_err(got, want):
 
 # (lengths, heads, kv heads): boundaries inside chunks, one sample over every chunk, 1-token samples and
 # a 1-row rectangle, a sample over two chunks; GQA and MHA
-RING_CASES = [([5, 7, 4, 8], 4, 2), ([24], 4, 1), ([1, 2, 3, 1, 4, 5, 2, 6], 2, 2), ([13, 3, 4, 4], 6, 3),
-              ([11, 2, 11], 6, 2)]
+RING_CASES = [([5, 7, 4, 8], 4, 2), ([24], 4, 1), ([1, 2, 3, 1, 4, 5, 2, 6], 2, 2), ([13, 3, 4, 4], 6, 3), ([11, 2, 11], 6, 2)]
 
 
 def _ring_case(rank, world, lengths, heads, kv_heads, group):
@@ -251,8 +265,7 @@ def _ring_case(rank, world, lengths, heads, kv_heads, group):
         torch.testing.assert_close(out.transpose(1, 2), ref[:, :, mine].detach(), **tol)
         kind = type(blocks).__name__
         for name, loc, ful in zip("qkv", local, full, strict=True):
-            torch.testing.assert_close(loc.grad, ful.grad[:, :, mine], **tol,
-                                       msg=lambda m, x=f"d{name} {lengths} {kind}": f"{x}: {m}")
+            torch.testing.assert_close(loc.grad, ful.grad[:, :, mine], **tol, msg=lambda m, x=f"d{name} {lengths} {kind}": f"{x}: {m}")
     # bf16, as on the GPU: the backward must get the out it returned (bf16) and a float32 lse
     local = [t[:, :, mine].to(BF16).requires_grad_(True) for t in (q, k, v)]
     blocks = FlashBlocks(0.25, ring.block_cu, fwd=fake_flash_forward, bwd=fake_flash_backward)

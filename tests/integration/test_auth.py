@@ -36,11 +36,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def curve_config(keys, port, *extra):
-    return load_config(None, [
-        f"hub.bind=tcp://127.0.0.1:{port}", "auth.curve=on", f"auth.server_secret={keys}/server.key_secret",
-        f"auth.authorized={keys}/authorized", f"auth.server_key={keys}/server.key",
-        f"auth.client_key={keys}/clients/actor-a.key_secret", "rollout.samples_per_prompt=2", "train.prompts_per_step=2",
-        *extra])
+    return load_config(
+        None,
+        [
+            f"hub.bind=tcp://127.0.0.1:{port}",
+            "auth.curve=on",
+            f"auth.server_secret={keys}/server.key_secret",
+            f"auth.authorized={keys}/authorized",
+            f"auth.server_key={keys}/server.key",
+            f"auth.client_key={keys}/clients/actor-a.key_secret",
+            "rollout.samples_per_prompt=2",
+            "train.prompts_per_step=2",
+            *extra,
+        ],
+    )
 
 
 def start_hub(cfg):
@@ -146,10 +155,12 @@ def test_unauthorised_clients_get_nothing_and_change_nothing(tmp_path):
         before = hub.snapshot()
         socks = {why: dealer(ctx, addr, k) for why, k in bad_keys.items()}
         for i, sock in enumerate(socks.values()):
-            for msg in (m.Register(actor_id=f"bad{i}", host="h", pid=1, served_version=0),
-                        m.WorkRequest(actor_id=f"bad{i}", max_prompts=8),
-                        m.Heartbeat(actor_id=f"bad{i}", served_version=0, groups_in_flight=0),
-                        rollout_group(n=2, actor=f"bad{i}", prompt_id=0)):
+            for msg in (
+                m.Register(actor_id=f"bad{i}", host="h", pid=1, served_version=0),
+                m.WorkRequest(actor_id=f"bad{i}", max_prompts=8),
+                m.Heartbeat(actor_id=f"bad{i}", served_version=0, groups_in_flight=0),
+                rollout_group(n=2, actor=f"bad{i}", prompt_id=0),
+            ):
                 send_if_possible(sock, encode(msg))
             send_if_possible(sock, [b"\xc1not a message"])
         time.sleep(1.5)  # several reconnect-and-handshake rounds (RECONNECT_IVL 200 ms)
@@ -307,13 +318,23 @@ def test_weight_group_rendezvous_listens_only_on_the_given_address():
 
     before = _socket_inodes()
     store = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=120)
-    member = subprocess.Popen([sys.executable, "-c", (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); from protocol import weights as wg; "
-        "s = wg.open_store('127.0.0.1', int(sys.argv[2]), False, 120); g = wg.open_group(s, '127.0.0.1', 1, 1, 2, 120); "
-        "t = torch.zeros(4); wg.broadcast(g, t); assert t.tolist() == [1.0] * 4; "
-        # Left to interpreter exit, gloo's teardown sometimes aborts ("terminate called without an active exception").
-        "del g, s; import gc; gc.collect()"), str(ROOT), str(store.port)],
-        stderr=subprocess.PIPE, text=True)
+    member = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, torch; sys.path.insert(0, sys.argv[1]); from protocol import weights as wg; "
+                "s = wg.open_store('127.0.0.1', int(sys.argv[2]), False, 120); g = wg.open_group(s, '127.0.0.1', 1, 1, 2, 120); "
+                "t = torch.zeros(4); wg.broadcast(g, t); assert t.tolist() == [1.0] * 4; "
+                # Left to interpreter exit, gloo's teardown sometimes aborts ("terminate called without an active exception").
+                "del g, s; import gc; gc.collect()"
+            ),
+            str(ROOT),
+            str(store.port),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         group = wg.open_group(store, "127.0.0.1", 1, 0, 2, 120)
         wg.broadcast(group, torch.ones(4))
@@ -473,11 +494,15 @@ def test_an_actor_says_which_key_its_handshake_failed_on(tmp_path):
         return [e for e in map(json.loads, lines) if e["event"] == name]
 
     try:
-        wrong_server = Actor(curve_config(keys, port, f"auth.server_key={stranger}/server.key", f"run.dir={tmp_path / 'run'}"),
-                             addr, "wrong-server")
+        wrong_server = Actor(
+            curve_config(keys, port, f"auth.server_key={stranger}/server.key", f"run.dir={tmp_path / 'run'}"), addr, "wrong-server"
+        )
         asyncio.run(run(wrong_server, 3.5))  # registration retries after 1 s and 2 s more
-        unlisted = Actor(curve_config(keys, port, f"auth.client_key={stranger}/clients/actor-a.key_secret",
-                                      f"run.dir={tmp_path / 'run'}"), addr, "unlisted")
+        unlisted = Actor(
+            curve_config(keys, port, f"auth.client_key={stranger}/clients/actor-a.key_secret", f"run.dir={tmp_path / 'run'}"),
+            addr,
+            "unlisted",
+        )
         asyncio.run(run(unlisted, 5.0))
     finally:
         hub.stop()

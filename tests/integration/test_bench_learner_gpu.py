@@ -37,8 +37,9 @@ def _number(cell: str) -> float:
 
 def test_smoke_reports_every_figure():
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}  # the sides make their own rendezvous
-    proc = subprocess.run([sys.executable, "-m", "bench.learner_gpu", "--smoke"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.learner_gpu", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = proc.stdout.splitlines()
     assert "command: python -m bench.learner_gpu --smoke" in out

@@ -29,8 +29,11 @@ def _lock(root: Path, op: str = "deepspeed_shm_comm") -> Path:
 
 def _holder(lock: Path) -> subprocess.Popen:
     """A process that holds `lock` open as torch's FileBaton does while it builds."""
-    proc = subprocess.Popen([sys.executable, "-c", f"import os, time; fd = os.open({str(lock)!r}, os.O_RDONLY); print('open', flush=True); time.sleep(600)"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"import os, time; fd = os.open({str(lock)!r}, os.O_RDONLY); print('open', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "open"
     except BaseException:
@@ -119,12 +122,14 @@ def test_a_lock_that_may_be_another_builders_is_waited_for_never_removed(tmp_pat
 
 
 def test_mount_type_takes_the_longest_match_and_unescapes():
-    mountinfo = "\n".join([
-        "27 1 254:0 / / rw,relatime - ext4 /dev/vda rw",
-        "40 27 0:50 / /home rw - nfs4 server:/home rw",
-        "41 40 0:51 / /home/a\\040b rw - xfs /dev/vdb rw",
-        "42 27 0:52 / /homework rw - tmpfs tmpfs rw",
-    ])
+    mountinfo = "\n".join(
+        [
+            "27 1 254:0 / / rw,relatime - ext4 /dev/vda rw",
+            "40 27 0:50 / /home rw - nfs4 server:/home rw",
+            "41 40 0:51 / /home/a\\040b rw - xfs /dev/vdb rw",
+            "42 27 0:52 / /homework rw - tmpfs tmpfs rw",
+        ]
+    )
     assert mount_type(mountinfo, "/home/u/.cache/torch_extensions") == "nfs4"
     assert mount_type(mountinfo, "/home/a b/x") == "xfs"
     assert mount_type(mountinfo, "/homework/x") == "tmpfs"  # not inside /home

@@ -9,8 +9,15 @@ pytestmark = pytest.mark.engine
 
 
 def test_short_chaos_run_keeps_the_fleet_whole(tmp_path):
-    report = run(0, seed=0, every_s=1.0, max_actors=2, overrides=["train.prompts_per_step=8"], run_dir=tmp_path / "run",
-                 schedule=["rogue", "staleness", "actor_kill"])
+    report = run(
+        0,
+        seed=0,
+        every_s=1.0,
+        max_actors=2,
+        overrides=["train.prompts_per_step=8"],
+        run_dir=tmp_path / "run",
+        schedule=["rogue", "staleness", "actor_kill"],
+    )
     print("\n" + render(report, "short chaos run"))
     assert report["learner_exit"] == 0  # the learner never crashed, and its exit checked the ledger: none lost
     assert set(report["rogue"]) == set(BAD_KINDS)

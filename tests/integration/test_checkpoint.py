@@ -94,8 +94,14 @@ def test_failed_write_is_logged_leaves_nothing_and_the_run_goes_on(tmp_path, pol
 
 
 def _run(script):
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
 
 
 def test_crash_mid_write_leaves_no_checkpoint_that_looks_complete(tmp_path):
@@ -139,8 +145,14 @@ def test_real_full_disk(tmp_path):
     probe = subprocess.run(["unshare", "-rm", "sh", "-c", mount], capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a private tmpfs here: {probe.stderr.strip()[-200:]}")
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", f'{mount} && exec "$0" -c "$1"', sys.executable, textwrap.dedent(script)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f'{mount} && exec "$0" -c "$1"', sys.executable, textwrap.dedent(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"out": {"checkpoint/failed": 1.0}, "left": []}

@@ -41,11 +41,13 @@ def test_missing_model_path_is_one_line(tmp_path, capsys):
         assert main([*command, f"run.dir={run}", f"model.path={tmp_path}/nope"]) == 2
         assert one_line(capsys.readouterr().err) == (
             f"fleetrl: config error: model.path: {tmp_path}/nope: no such folder (from {ROOT}); point it at a local "
-            "Hugging Face model folder (save_pretrained's output; deploy/tiny.py writes a tiny one)")
+            "Hugging Face model folder (save_pretrained's output; deploy/tiny.py writes a tiny one)"
+        )
     # A hub-style relative path says how to get the model there.
     assert main(["learner", "--config", DEMO, f"run.dir={run}", "model.path=models/Qwen2.5-0.5B"]) == 2
     assert one_line(capsys.readouterr().err).endswith(
-        "or download the hub model there first: huggingface-cli download ORG/NAME --local-dir models/Qwen2.5-0.5B")
+        "or download the hub model there first: huggingface-cli download ORG/NAME --local-dir models/Qwen2.5-0.5B"
+    )
     (entry, *_) = tracebacks(run / "logs" / "learner.jsonl")
     assert entry["command"] == "learner" and "Traceback (most recent call last)" in entry["exception"]
     assert "check_model_dir" in entry["exception"]
@@ -61,7 +63,8 @@ def test_model_folder_without_tokenizer(tmp_path, tiny_model_dir, capsys):
     assert one_line(capsys.readouterr().err) == (
         f"fleetrl: config error: model.path: {folder} has no tokenizer (tokenizer.json / tokenizer.model / vocab.json / "
         "spiece.model / vocab.txt); save the model's tokenizer there too: "
-        f"AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained('{folder}')")
+        f"AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained('{folder}')"
+    )
     (folder / "config.json").unlink()
     assert main(["check", DEMO, f"run.dir={tmp_path}", f"model.path={folder}"]) == 2
     assert "has no config.json, so it is not a Hugging Face model folder" in one_line(capsys.readouterr().err)
@@ -73,7 +76,8 @@ def test_reward_import_errors(tmp_path, tiny_model_dir, capsys, monkeypatch):
     assert main([*base, *overrides, "rollout.reward_fn=no_such_module:f"]) == 2
     assert one_line(capsys.readouterr().err) == (
         "fleetrl: config error: rollout.reward_fn: cannot import 'no_such_module' (No module named 'no_such_module'); "
-        "set rollout.reward_fn to a package.module:function importable here (installed, or its folder on PYTHONPATH)")
+        "set rollout.reward_fn to a package.module:function importable here (installed, or its folder on PYTHONPATH)"
+    )
     assert main([*base, *overrides, "rollout.reward_fn=actors.rewards:nothing"]) == 2
     assert "rollout.reward_fn: 'actors.rewards' has no function 'nothing'" in one_line(capsys.readouterr().err)
     # The user's module raises as it is imported: one line, and the log file holds where.
@@ -83,7 +87,8 @@ def test_reward_import_errors(tmp_path, tiny_model_dir, capsys, monkeypatch):
     log = run / "logs" / "actor-a1.jsonl"
     assert one_line(capsys.readouterr().err) == (
         "fleetrl: config error: rollout.reward_fn: importing 'broken_reward' raised NameError: name 'undefined_name' "
-        f"is not defined (traceback in {log})")
+        f"is not defined (traceback in {log})"
+    )
     assert 'broken_reward.py", line 4' in tracebacks(log)[-1]["exception"]
 
 
@@ -91,29 +96,41 @@ def test_bad_addresses(tmp_path, capsys):
     for command in (["actor", "--config", DEMO, f"run.dir={tmp_path}"], ["status", "--once"], ["ctl", "set", "max_staleness", "1"]):
         assert main([command[0], "--learner", "127.0.0.1:5555", *command[1:]]) == 2
         assert one_line(capsys.readouterr().err) == (
-            f"fleetrl {command[0]}: --learner '127.0.0.1:5555': expected tcp://HOST:PORT with PORT in 1-65535, "
-            "e.g. tcp://10.0.0.1:5555")
+            f"fleetrl {command[0]}: --learner '127.0.0.1:5555': expected tcp://HOST:PORT with PORT in 1-65535, e.g. tcp://10.0.0.1:5555"
+        )
     assert main(["status", "--learner", "tcp://no-such-host.invalid:5555", "--once"]) == 2
     line = one_line(capsys.readouterr().err)
-    assert line.startswith("fleetrl status: --learner tcp://no-such-host.invalid:5555: host 'no-such-host.invalid' "
-                           "does not resolve (") and line.endswith("); give the learner node's name or IP address")
+    assert line.startswith(
+        "fleetrl status: --learner tcp://no-such-host.invalid:5555: host 'no-such-host.invalid' does not resolve ("
+    ) and line.endswith("); give the learner node's name or IP address")
     # ZeroMQ itself would bind port 99999 (somewhere else) without a word.
     assert main(["plan", DEMO, "hub.bind=tcp://127.0.0.1:99999"]) == 2
     assert one_line(capsys.readouterr().err) == (
-        "fleetrl: config error: hub.bind: 'tcp://127.0.0.1:99999' must be tcp://HOST:PORT, PORT in 1-65535")
+        "fleetrl: config error: hub.bind: 'tcp://127.0.0.1:99999' must be tcp://HOST:PORT, PORT in 1-65535"
+    )
 
 
 def test_usage_errors(capsys):
     assert main(["check"]) == 2
     assert one_line(capsys.readouterr().err) == (
-        "fleetrl check: a config file is required: fleetrl check CONFIG [section.field=value ...] (or --config CONFIG)")
+        "fleetrl check: a config file is required: fleetrl check CONFIG [section.field=value ...] (or --config CONFIG)"
+    )
     assert main(["plan", "train.lr=0.1"]) == 2  # an override where the file should be
     assert one_line(capsys.readouterr().err).startswith("fleetrl plan: a config file is required")
 
 
 def learner(tmp_path, *overrides, timeout=180):
-    cmd = [sys.executable, "-m", "deploy.cli", "learner", "--config", DEMO, f"run.dir={tmp_path / 'run'}",
-           f"hub.bind=tcp://127.0.0.1:{free_port()}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "learner",
+        "--config",
+        DEMO,
+        f"run.dir={tmp_path / 'run'}",
+        f"hub.bind=tcp://127.0.0.1:{free_port()}",
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -123,12 +140,18 @@ def test_learner_data_error_is_one_line_per_run(tmp_path, tiny_model_dir, ranks)
     Two ranks print it once (deploy/torchrun.py), not twice with [rankN] prefixes and torchrun's own report."""
     data = tmp_path / "rows.jsonl"
     data.write_text('{"question": "1+1=", "answer": "2"}\n')
-    proc = learner(tmp_path, f"model.path={tiny_model_dir}", "data.task=file", f"data.path={data}",
-                   f"cluster.debug_gpus={ranks}" if ranks > 1 else "cluster.debug_gpus=0")
+    proc = learner(
+        tmp_path,
+        f"model.path={tiny_model_dir}",
+        "data.task=file",
+        f"data.path={data}",
+        f"cluster.debug_gpus={ranks}" if ranks > 1 else "cluster.debug_gpus=0",
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert one_line(proc.stderr + proc.stdout) == (
         f"fleetrl: config error: data.path: {data}: no columns 'prompt' and 'answer' for data.format = 'plain' "
-        "(has: 'question', 'answer'); set data.format, or data.prompt_key and data.answer_key")
+        "(has: 'question', 'answer'); set data.format, or data.prompt_key and data.answer_key"
+    )
     (entry,) = tracebacks(tmp_path / "run" / "logs" / "learner.jsonl")
     assert "load_datasets" in entry["exception"] and entry["rank"] == 0
 
@@ -143,7 +166,8 @@ def test_hub_port_in_use(tmp_path, tiny_model_dir):
     assert "Traceback" not in proc.stderr + proc.stdout  # the learner's info lines come first: it had started
     assert proc.stderr.strip().splitlines()[-1] == (
         f"fleetrl: config error: hub.bind tcp://127.0.0.1:{port}: Address already in use (addr='tcp://127.0.0.1:{port}'): "
-        "choose a free port on an address of this host (tcp://0.0.0.0:PORT binds them all)")
+        "choose a free port on an address of this host (tcp://0.0.0.0:PORT binds them all)"
+    )
 
 
 def test_report_and_collect(tmp_path, capsys, monkeypatch):

@@ -93,8 +93,7 @@ def test_invariant_holds_across_a_live_lowering(steps, k_high, k_low, start_hub)
     prompts = 4
     hub = start_hub(*COMMON, f"train.mini_batches={steps}", f"staleness.max_staleness={k_high}", "staleness.lease_s=30")
     addr = hub.cfg.hub.bind
-    actors = [ScriptedActor(addr, "fast", 2, delay_s=0.02, seed=0).start(),
-              ScriptedActor(addr, "slow", 2, delay_s=0.4, seed=1).start()]
+    actors = [ScriptedActor(addr, "fast", 2, delay_s=0.02, seed=0).start(), ScriptedActor(addr, "slow", 2, delay_s=0.4, seed=1).start()]
     seen: list[tuple[str, int, int]] = []  # (phase, staleness, k the batch was checked with)
     version, phase = 0, "high"
     buffered_at_lowering = dropped_before = 0

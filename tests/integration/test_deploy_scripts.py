@@ -20,14 +20,25 @@ from protocol.config import dump_toml, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([*ROOT.glob("deploy/*.sh"), *ROOT.glob("deploy/slurm/*.sbatch")])
-CLUSTER = ["cluster.learner_nodes=2", "cluster.learner_gpus_per_node=4", "cluster.actor_nodes=3",
-           "cluster.actor_gpus_per_node=8", "cluster.tensor_parallel_size=2", "hub.bind=tcp://127.0.0.1:6000"]
+CLUSTER = [
+    "cluster.learner_nodes=2",
+    "cluster.learner_gpus_per_node=4",
+    "cluster.actor_nodes=3",
+    "cluster.actor_gpus_per_node=8",
+    "cluster.tensor_parallel_size=2",
+    "hub.bind=tcp://127.0.0.1:6000",
+]
 
 
 def render(script: Path, args: list[str], env: dict[str, str], cwd: Path, code: int = 0) -> list[list[str]]:
     """Run `script` dry; its printed command lines, split as a shell would."""
-    full = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "FLEETRL_DRY_RUN": "1",
-            "FLEETRL_PYTHON": sys.executable, **env}
+    full = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/"),
+        "FLEETRL_DRY_RUN": "1",
+        "FLEETRL_PYTHON": sys.executable,
+        **env,
+    }
     proc = subprocess.run(["bash", str(script), *args], env=full, cwd=cwd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == code, proc.stderr
     return [shlex.split(line) for line in proc.stdout.splitlines()]
@@ -66,8 +77,12 @@ def test_every_script_parses(script):
 
 
 def test_hetjob_renders_the_learner_group_and_the_actor_nodes(config, tmp_path):
-    slurm = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2", "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3",
-             "FLEETRL_LEARNER_ADDR": "10.1.2.3"}
+    slurm = {
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2",
+        "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3",
+        "FLEETRL_LEARNER_ADDR": "10.1.2.3",
+    }
     learner, actors = render(ROOT / "deploy/slurm/fleet.sbatch", [str(config), "train.lr=0.001"], slurm, tmp_path)
     run_dir = str(tmp_path / "run")
     hub = "tcp://10.1.2.3:6000"  # the config's hub port on learner node 0's address
@@ -109,15 +124,36 @@ def test_hetjob_renders_the_learner_group_and_the_actor_nodes(config, tmp_path):
 
 def test_hetjob_refuses_an_allocation_that_does_not_match_the_config(config, tmp_path):
     base = {"SLURM_SUBMIT_DIR": str(ROOT), "FLEETRL_LEARNER_ADDR": "10.1.2.3"}
-    proc = subprocess.run(["bash", str(ROOT / "deploy/slurm/fleet.sbatch"), str(config)], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, **base, "FLEETRL_DRY_RUN": "1", "FLEETRL_PYTHON": sys.executable,
-                               "SLURM_JOB_NUM_NODES_HET_GROUP_0": "1", "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3"})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "deploy/slurm/fleet.sbatch"), str(config)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            **base,
+            "FLEETRL_DRY_RUN": "1",
+            "FLEETRL_PYTHON": sys.executable,
+            "SLURM_JOB_NUM_NODES_HET_GROUP_0": "1",
+            "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3",
+        },
+    )
     assert proc.returncode == 2 and "cluster.learner_nodes = 2 but Slurm gave component 0 1 node(s)" in proc.stderr
-    proc = subprocess.run(["bash", str(ROOT / "deploy/slurm/fleet.sbatch"), str(config)], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, **base, "FLEETRL_DRY_RUN": "1", "FLEETRL_PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "deploy/slurm/fleet.sbatch"), str(config)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **base, "FLEETRL_DRY_RUN": "1", "FLEETRL_PYTHON": sys.executable},
+    )
     assert proc.returncode == 2 and "not a heterogeneous job" in proc.stderr
-    bad = subprocess.run(["bash", str(ROOT / "deploy/slurm/fleet.sbatch"), str(config), "cluster.tensor_parallel_size=3"],
-                         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **base, "FLEETRL_PYTHON": sys.executable})
+    bad = subprocess.run(
+        ["bash", str(ROOT / "deploy/slurm/fleet.sbatch"), str(config), "cluster.tensor_parallel_size=3"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **base, "FLEETRL_PYTHON": sys.executable},
+    )
     assert bad.returncode == 2 and "cluster.tensor_parallel_size: 3 does not divide cluster.actor_gpus_per_node = 8" in bad.stderr
 
 
@@ -130,37 +166,87 @@ def test_add_actors_attaches_to_the_running_jobs_hub(tmp_path):
     (line,) = render(ROOT / "deploy/slurm/add_actors.sbatch", [str(run_dir)], env, tmp_path)
     opts, rest = options(line)
     assert line[0] == "srun" and opts == {"--nodes": "2", "--ntasks-per-node": "1", "--kill-on-bad-exit": "0"}
-    assert rest == ["bash", str(ROOT / "deploy/actors.sh"), "--learner", "tcp://10.1.2.3:6000", "--config", str(run_dir / "config.toml"),
-                    "--count", "4", "--gpus-per-actor", "2"]
+    assert rest == [
+        "bash",
+        str(ROOT / "deploy/actors.sh"),
+        "--learner",
+        "tcp://10.1.2.3:6000",
+        "--config",
+        str(run_dir / "config.toml"),
+        "--count",
+        "4",
+        "--gpus-per-actor",
+        "2",
+    ]
     (line,) = render(ROOT / "deploy/slurm/add_actors.sbatch", [str(run_dir)], {**env, "FLEETRL_ACTORS_PER_NODE": "1"}, tmp_path)
     assert line[line.index("--count") + 1] == "1"  # nodes with fewer GPUs
     # No learner in that run directory: it waits FLEETRL_WAIT_S, then fails saying what is missing.
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = subprocess.run(["bash", str(ROOT / "deploy/slurm/add_actors.sbatch"), str(empty)], capture_output=True, text=True,
-                          cwd=tmp_path, env={**os.environ, **env, "FLEETRL_WAIT_S": "1", "FLEETRL_PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "deploy/slurm/add_actors.sbatch"), str(empty)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **env, "FLEETRL_WAIT_S": "1", "FLEETRL_PYTHON": sys.executable},
+    )
     assert proc.returncode == 1 and f"no running learner in {empty}" in proc.stderr
 
 
 def test_fleet_sh_starts_actors_on_each_host_over_ssh(config, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("# actor machines\ngpu-a\n\ngpu-b  # the spare\n")
-    lines = render(ROOT / "deploy/fleet.sh", ["--learner", "tcp://10.1.2.3:6000", "--config", str(config), "--hosts", str(hosts),
-                                               "--remote-dir", "/shared/fleetrl", "train.lr=0.001"], {}, tmp_path)
+    lines = render(
+        ROOT / "deploy/fleet.sh",
+        [
+            "--learner",
+            "tcp://10.1.2.3:6000",
+            "--config",
+            str(config),
+            "--hosts",
+            str(hosts),
+            "--remote-dir",
+            "/shared/fleetrl",
+            "train.lr=0.001",
+        ],
+        {},
+        tmp_path,
+    )
     assert [line[:7] for line in lines] == [["ssh", "-tt", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", h] for h in ("gpu-a", "gpu-b")]
     for line in lines:
         (remote,) = line[7:]  # one string, parsed by the remote shell
-        assert shlex.split(remote) == ["cd", "/shared/fleetrl", "&&", "bash", "deploy/actors.sh", "--learner", "tcp://10.1.2.3:6000",
-                                       "--config", str(config), "--count", "4", "--gpus-per-actor", "2", "train.lr=0.001"]
-    (line,) = render(ROOT / "deploy/fleet.sh", ["--learner", "tcp://h:1", "--config", str(config), "--hosts", "one", "--count", "2"], {}, tmp_path)
+        assert shlex.split(remote) == [
+            "cd",
+            "/shared/fleetrl",
+            "&&",
+            "bash",
+            "deploy/actors.sh",
+            "--learner",
+            "tcp://10.1.2.3:6000",
+            "--config",
+            str(config),
+            "--count",
+            "4",
+            "--gpus-per-actor",
+            "2",
+            "train.lr=0.001",
+        ]
+    (line,) = render(
+        ROOT / "deploy/fleet.sh", ["--learner", "tcp://h:1", "--config", str(config), "--hosts", "one", "--count", "2"], {}, tmp_path
+    )
     assert shlex.split(line[7])[shlex.split(line[7]).index("--count") + 1] == "2"
 
 
 def test_learner_sh_on_one_node_runs_fleetrl_learner(config, tmp_path):
     (line,) = render(ROOT / "deploy/learner.sh", [str(config), "train.lr=0.001"], {}, tmp_path)
     assert line == [sys.executable, "-m", "deploy.cli", "learner", "--config", str(config), "train.lr=0.001"]
-    proc = subprocess.run(["bash", str(ROOT / "deploy/learner.sh"), str(config)], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "NNODES": "2", "FLEETRL_DRY_RUN": "1", "MASTER_ADDR": "x"})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "deploy/learner.sh"), str(config)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "NNODES": "2", "FLEETRL_DRY_RUN": "1", "MASTER_ADDR": "x"},
+    )
     assert proc.returncode != 0 and "set NODE_RANK" in proc.stderr
 
 
@@ -169,12 +255,20 @@ def test_hetjob_makes_curve_keys_when_the_config_names_none(tmp_path):
     directory (shared by every node) and hands it to the learner and the actors; the resolved config keeps it."""
     config = tmp_path / "run.toml"
     config.write_text(dump_toml(load_config(None, [f"run.dir={tmp_path / 'run'}", *CLUSTER])))  # loopback, no keys
-    slurm = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2", "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3",
-             "FLEETRL_LEARNER_ADDR": "10.1.2.3"}
+    slurm = {
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2",
+        "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3",
+        "FLEETRL_LEARNER_ADDR": "10.1.2.3",
+    }
     learner, actors = render(ROOT / "deploy/slurm/fleet.sbatch", [str(config)], slurm, tmp_path)
     keys = tmp_path / "run" / "keys"
-    overrides = [f"auth.server_secret={keys / 'server.key_secret'}", f"auth.authorized={keys / 'authorized'}",
-                 f"auth.server_key={keys / 'server.key'}", f"auth.client_key={keys / 'clients' / 'actors.key_secret'}"]
+    overrides = [
+        f"auth.server_secret={keys / 'server.key_secret'}",
+        f"auth.authorized={keys / 'authorized'}",
+        f"auth.server_key={keys / 'server.key'}",
+        f"auth.client_key={keys / 'clients' / 'actors.key_secret'}",
+    ]
     _, learner_cmd = env_prefix(options(learner)[1])
     assert learner_cmd[-4:] == overrides and actors[-4:] == overrides
     cfg = load_config(config, learner_cmd[3:])  # a cluster address with CURVE: valid, and the key files exist
@@ -190,10 +284,21 @@ def test_hetjob_dry_run_checks_the_config_with_the_jobs_overrides(tmp_path):
     run says so, before any node would start and fail."""
     config = tmp_path / "run.toml"
     config.write_text(dump_toml(load_config(None, [f"run.dir={tmp_path / 'run'}", *CLUSTER, "auth.curve=off"])))
-    slurm = {"SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2", "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3",
-             "FLEETRL_LEARNER_ADDR": "10.1.2.3", "FLEETRL_DRY_RUN": "1", "FLEETRL_PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(ROOT / "deploy/slurm/fleet.sbatch"), str(config)], capture_output=True, text=True,
-                          cwd=tmp_path, env={**os.environ, **slurm})
+    slurm = {
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_JOB_NUM_NODES_HET_GROUP_0": "2",
+        "SLURM_JOB_NUM_NODES_HET_GROUP_1": "3",
+        "FLEETRL_LEARNER_ADDR": "10.1.2.3",
+        "FLEETRL_DRY_RUN": "1",
+        "FLEETRL_PYTHON": sys.executable,
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "deploy/slurm/fleet.sbatch"), str(config)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **slurm},
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("fleetrl: config error: auth.curve") and "10.1.2.3" in line

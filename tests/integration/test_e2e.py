@@ -19,11 +19,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
     steps, prompts, n, k, every = 6, 8, 4, 1, 3
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "deploy.cli", "demo", f"run.dir={run_dir}", "demo.num_actors=1", f"train.total_steps={steps}",
-           f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}", f"staleness.max_staleness={k}",
-           f"hub.bind=tcp://127.0.0.1:{free_port()}", f"model.path={tiny_model_dir}", "train.micro_batch_samples=16",
-           "data.val_fraction=0.2", f"eval.every_steps={every}", "eval.greedy=true", f"checkpoint.every_steps={every}", "checkpoint.keep=1",
-           f"log.samples_every_steps={every}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "demo",
+        f"run.dir={run_dir}",
+        "demo.num_actors=1",
+        f"train.total_steps={steps}",
+        f"train.prompts_per_step={prompts}",
+        f"rollout.samples_per_prompt={n}",
+        f"staleness.max_staleness={k}",
+        f"hub.bind=tcp://127.0.0.1:{free_port()}",
+        f"model.path={tiny_model_dir}",
+        "train.micro_batch_samples=16",
+        "data.val_fraction=0.2",
+        f"eval.every_steps={every}",
+        "eval.greedy=true",
+        f"checkpoint.every_steps={every}",
+        "checkpoint.keep=1",
+        f"log.samples_every_steps={every}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -86,7 +102,7 @@ def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
     for text, answer in val:
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
         out = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        right += tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == answer
+        right += tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip() == answer
     assert right / len(val) == pytest.approx(scores[6], abs=1e-6), (right, scores)  # the metric travels as float32
 
 
@@ -96,10 +112,25 @@ def test_two_learner_ranks_zero3_with_mini_batches(tmp_path, tiny_model_dir):
     gathered ZeRO-3 ones: its logprobs must still match the learner's."""
     updates, prompts, n = 4, 4, 4
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "deploy.cli", "demo", f"run.dir={run_dir}", "demo.num_actors=1", f"train.total_steps={updates}",
-           f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}", "staleness.max_staleness=1",
-           f"hub.bind=tcp://127.0.0.1:{free_port()}", f"model.path={tiny_model_dir}", "train.micro_batch_samples=4",
-           "train.mini_batches=2", "train.zero_stage=3", "cluster.learner_gpus_per_node=2", "checkpoint.every_steps=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "demo",
+        f"run.dir={run_dir}",
+        "demo.num_actors=1",
+        f"train.total_steps={updates}",
+        f"train.prompts_per_step={prompts}",
+        f"rollout.samples_per_prompt={n}",
+        "staleness.max_staleness=1",
+        f"hub.bind=tcp://127.0.0.1:{free_port()}",
+        f"model.path={tiny_model_dir}",
+        "train.micro_batch_samples=4",
+        "train.mini_batches=2",
+        "train.zero_stage=3",
+        "cluster.learner_gpus_per_node=2",
+        "checkpoint.every_steps=2",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

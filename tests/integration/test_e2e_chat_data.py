@@ -30,23 +30,47 @@ def test_trains_from_chat_parquet_with_nested_answers(tmp_path, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(model)
     tok.chat_template = CHAT
     tok.save_pretrained(model)
-    train = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{b}"}],
-              "reward_model": {"style": "rule", "ground_truth": str(a + b)}, "extra_info": {"index": 10 * a + b}}
-             for a in range(10) for b in range(10)]
+    train = [
+        {
+            "data_source": "arith",
+            "prompt": [{"role": "user", "content": f"{a}+{b}"}],
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"index": 10 * a + b},
+        }
+        for a in range(10)
+        for b in range(10)
+    ]
     pq.write_table(pa.Table.from_pylist(train), tmp_path / "train.parquet")
     test = [{"data_source": "arith-test", "prompt": f"{a}+{a}", "reward_model": {"ground_truth": str(2 * a)}} for a in range(5)]
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
 
     steps, prompts, n = 3, 4, 4
     run_dir, seen = tmp_path / "run", tmp_path / "reward_calls.jsonl"
-    cmd = [sys.executable, "-m", "deploy.cli", "demo", f"run.dir={run_dir}", "demo.num_actors=1", f"model.path={model}",
-           "data.task=file", f"data.path={tmp_path / 'train.parquet'}", "data.format=verl",
-           f"data.test_path={tmp_path / 'test.jsonl'}", "data.prompt_template={prompt}=",
-           "rollout.reward_fn=tests.chat_reward:exact_match_logged", f"train.total_steps={steps}",
-           f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}", "train.micro_batch_samples=16",
-           f"hub.bind=tcp://127.0.0.1:{free_port()}", f"eval.every_steps={steps}", "eval.greedy=true"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420,
-                          env={**os.environ, "FLEETRL_TEST_REWARD_LOG": str(seen)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "demo",
+        f"run.dir={run_dir}",
+        "demo.num_actors=1",
+        f"model.path={model}",
+        "data.task=file",
+        f"data.path={tmp_path / 'train.parquet'}",
+        "data.format=verl",
+        f"data.test_path={tmp_path / 'test.jsonl'}",
+        "data.prompt_template={prompt}=",
+        "rollout.reward_fn=tests.chat_reward:exact_match_logged",
+        f"train.total_steps={steps}",
+        f"train.prompts_per_step={prompts}",
+        f"rollout.samples_per_prompt={n}",
+        "train.micro_batch_samples=16",
+        f"hub.bind=tcp://127.0.0.1:{free_port()}",
+        f"eval.every_steps={steps}",
+        "eval.greedy=true",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=420, env={**os.environ, "FLEETRL_TEST_REWARD_LOG": str(seen)}
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -18,8 +18,14 @@ from deploy.status import fetch
 
 pytestmark = pytest.mark.engine
 
-TINY = ["rollout.samples_per_prompt=4", "train.micro_batch_samples=32", "actor.max_groups=4", "actor.kvcache_gib=1",
-        "hub.heartbeat_s=0.5", "weights.timeout_s=120"]
+TINY = [
+    "rollout.samples_per_prompt=4",
+    "train.micro_batch_samples=32",
+    "actor.max_groups=4",
+    "actor.kvcache_gib=1",
+    "hub.heartbeat_s=0.5",
+    "weights.timeout_s=120",
+]
 
 
 def _mismatches(rows):
@@ -29,8 +35,18 @@ def _mismatches(rows):
 def test_actor_attached_mid_run_serves_current_weights(tmp_path, tiny_model_dir):
     """k = 0: every sample is on-policy, so the mismatch covers both actors' samples in the batches they share.
     16 prompts x 8 samples per step, so that one actor cannot do a whole batch before the other has its weights."""
-    fleet = Fleet(tmp_path / "run", tiny_model_dir, [*TINY, "rollout.samples_per_prompt=8", "train.micro_batch_samples=64",
-                                                       "train.prompts_per_step=16", "train.total_steps=1000", "staleness.max_staleness=0"])
+    fleet = Fleet(
+        tmp_path / "run",
+        tiny_model_dir,
+        [
+            *TINY,
+            "rollout.samples_per_prompt=8",
+            "train.micro_batch_samples=64",
+            "train.prompts_per_step=16",
+            "train.total_steps=1000",
+            "staleness.max_staleness=0",
+        ],
+    )
     try:
         # CPU 0 runs the learner and the first actor, CPU 1 is left for the late one: its engine start then does
         # not fight the running fleet for a core (2 cores here), and it adds a core's worth of generation.
@@ -68,8 +84,11 @@ def test_actor_attached_mid_run_serves_current_weights(tmp_path, tiny_model_dir)
 def test_actors_killed_mid_generation_and_mid_sync(tmp_path, tiny_model_dir):
     steps, prompts = 200, 8  # long enough that the learner cannot finish before both kills (60 steps took 5.7 s)
     rng = random.Random()
-    fleet = Fleet(tmp_path / "run", tiny_model_dir, [*TINY, f"train.prompts_per_step={prompts}", f"train.total_steps={steps}",
-                                                       "staleness.max_staleness=1", "staleness.lease_s=600"])
+    fleet = Fleet(
+        tmp_path / "run",
+        tiny_model_dir,
+        [*TINY, f"train.prompts_per_step={prompts}", f"train.total_steps={steps}", "staleness.max_staleness=1", "staleness.lease_s=600"],
+    )
     try:
         for name in ("keeper", "victim", "syncer"):
             fleet.start_actor(name)
@@ -91,8 +110,9 @@ def test_actors_killed_mid_generation_and_mid_sync(tmp_path, tiny_model_dir):
         # and its removal rightly requeued none, and frozen after a query it had often just finished.
         seen = len(fleet.log("learner"))
         while True:
-            fleet.wait_for("learner", "hub.granted", lambda e: any(g[0] == "victim" for g in e["grants"]), after=seen,
-                           timeout=60, poll_s=0.001)
+            fleet.wait_for(
+                "learner", "hub.granted", lambda e: any(g[0] == "victim" for g in e["grants"]), after=seen, timeout=60, poll_s=0.001
+            )
             fleet.kill("victim", signal.SIGSTOP)
             seen = len(fleet.log("learner"))
             time.sleep(0.2)  # groups it sent before it stopped land first
@@ -107,7 +127,9 @@ def test_actors_killed_mid_generation_and_mid_sync(tmp_path, tiny_model_dir):
         fleet.wait_for("learner", "hub.actor_first_group", lambda e: e["actor"] == "syncer", timeout=120)
         at = fleet.wait_for("learner", "learner.step", after=len(fleet.log("learner")), timeout=120)["step"] + rng.randint(1, 3)
         fleet.wait_for("learner", "learner.step", lambda e: e["step"] >= at, timeout=120)
-        begin = fleet.wait_for("learner", "weights.broadcast.begin", lambda e: e["members"] == 2, after=len(fleet.log("learner")), timeout=60)
+        begin = fleet.wait_for(
+            "learner", "weights.broadcast.begin", lambda e: e["members"] == 2, after=len(fleet.log("learner")), timeout=60
+        )
         fleet.kill("syncer")
         killed_at = begin["version"]
         assert killed_at <= steps - 6, f"the learner outran the test (syncer killed at version {killed_at} of {steps})"

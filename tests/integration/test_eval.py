@@ -54,16 +54,35 @@ def recv_all(sock, quiet_ms=300):
 
 
 def answer(grant, version, reward, actor="a0", errors=0):
-    return encode(m.EvalResult(
-        actor_id=actor, eval_round=grant.eval_round, split=grant.split, prompt_id=grant.prompt_id,
-        lengths=np.full(grant.n, 1, np.int32), rewards=np.full(grant.n, reward, np.float32), finish_reasons=["stop"] * grant.n,
-        version_min=version, version_max=version, gen_s=0.1, reward_errors=errors))
+    return encode(
+        m.EvalResult(
+            actor_id=actor,
+            eval_round=grant.eval_round,
+            split=grant.split,
+            prompt_id=grant.prompt_id,
+            lengths=np.full(grant.n, 1, np.int32),
+            rewards=np.full(grant.n, reward, np.float32),
+            finish_reasons=["stop"] * grant.n,
+            version_min=version,
+            version_max=version,
+            gen_s=0.1,
+            reward_errors=errors,
+        )
+    )
 
 
 def test_eval_is_outside_admission_and_the_ledger():
     """One raw DEALER plays the actor, so every message the hub sends is seen and counted."""
-    cfg, data, sets, hub, addr = setup(["staleness.max_staleness=1", "train.prompts_per_step=4", "rollout.samples_per_prompt=2",
-                                        "actor.max_groups=8", "data.val_fraction=0.1", "eval.every_steps=1"])
+    cfg, data, sets, hub, addr = setup(
+        [
+            "staleness.max_staleness=1",
+            "train.prompts_per_step=4",
+            "rollout.samples_per_prompt=2",
+            "actor.max_groups=8",
+            "data.val_fraction=0.1",
+            "eval.every_steps=1",
+        ]
+    )
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(addr)
@@ -128,9 +147,19 @@ def test_eval_is_outside_admission_and_the_ledger():
 
 def test_actor_dying_mid_eval_does_not_lose_the_round():
     cfg, data, sets, hub, addr = setup(
-        ["staleness.max_staleness=1", "train.prompts_per_step=4", "rollout.samples_per_prompt=2", "actor.max_groups=4",
-         "data.val_fraction=0.2", "eval.every_steps=2", "hub.actor_timeout_s=1.0", "staleness.lease_s=60", "eval.timeout_s=30"],
-        with_test=True)
+        [
+            "staleness.max_staleness=1",
+            "train.prompts_per_step=4",
+            "rollout.samples_per_prompt=2",
+            "actor.max_groups=4",
+            "data.val_fraction=0.2",
+            "eval.every_steps=2",
+            "hub.actor_timeout_s=1.0",
+            "staleness.lease_s=60",
+            "eval.timeout_s=30",
+        ],
+        with_test=True,
+    )
     evaluator = Evaluator(cfg, sets, hub)
     steady = ScriptedActor(addr, "steady", 2, 0.02, seed=0, heartbeat_s=0.2, eval_reward=even_prompts_right).start()
     doomed = ScriptedActor(addr, "doomed", 2, 0.02, seed=1, heartbeat_s=0.2, die_on_eval=True).start()
@@ -162,8 +191,16 @@ def test_actor_dying_mid_eval_does_not_lose_the_round():
 
 
 def test_round_times_out_with_a_logged_partial_result():
-    cfg, data, sets, hub, addr = setup(["data.val_fraction=0.1", "eval.every_steps=1", "eval.timeout_s=2.5",
-                                        "hub.actor_timeout_s=1.0", "eval.greedy=false", "eval.samples=3"])
+    cfg, data, sets, hub, addr = setup(
+        [
+            "data.val_fraction=0.1",
+            "eval.every_steps=1",
+            "eval.timeout_s=2.5",
+            "hub.actor_timeout_s=1.0",
+            "eval.greedy=false",
+            "eval.samples=3",
+        ]
+    )
     evaluator = Evaluator(cfg, sets, hub)
     doomed = ScriptedActor(addr, "doomed", 8, 0.0, seed=1, heartbeat_s=0.2, die_on_eval=True).start()
     try:
@@ -187,13 +224,33 @@ def test_round_times_out_with_a_logged_partial_result():
 
 
 def test_eval_messages_round_trip_and_validate():
-    grant = m.EvalGrant(eval_round=2, split="test", prompt_id=5, prompt_tokens=np.arange(1, 5, dtype=np.int32), answer="25",
-                        policy_version=7, n=3, temperature=0.7, seed=4_000_000_000, lease_s=60.0)
+    grant = m.EvalGrant(
+        eval_round=2,
+        split="test",
+        prompt_id=5,
+        prompt_tokens=np.arange(1, 5, dtype=np.int32),
+        answer="25",
+        policy_version=7,
+        n=3,
+        temperature=0.7,
+        seed=4_000_000_000,
+        lease_s=60.0,
+    )
     back = decode(encode(grant))
     assert isinstance(back, m.EvalGrant) and np.array_equal(back.prompt_tokens, grant.prompt_tokens)
     assert (back.eval_round, back.split, back.prompt_id, back.n, back.temperature, back.seed) == (2, "test", 5, 3, 0.7, 4_000_000_000)
-    result = m.EvalResult(actor_id="a", eval_round=2, split="test", prompt_id=5, lengths=np.array([1, 2, 3], np.int32),
-                          rewards=np.array([1, 0, 1], np.float32), finish_reasons=["stop"] * 3, version_min=7, version_max=7, gen_s=0.1)
+    result = m.EvalResult(
+        actor_id="a",
+        eval_round=2,
+        split="test",
+        prompt_id=5,
+        lengths=np.array([1, 2, 3], np.int32),
+        rewards=np.array([1, 0, 1], np.float32),
+        finish_reasons=["stop"] * 3,
+        version_min=7,
+        version_max=7,
+        gen_s=0.1,
+    )
     back = decode(encode(result))
     assert isinstance(back, m.EvalResult) and back.rewards.tolist() == [1.0, 0.0, 1.0]
     result.rewards = np.array([1, 0], np.float32)

@@ -43,10 +43,23 @@ def setup(tmp_path, *extra):
     auth.generate(keys, ["honest", "flooder"])
     port = free_port()
     addr = f"tcp://127.0.0.1:{port}"
-    cfg = load_config(None, [
-        f"hub.bind={addr}", "auth.curve=on", f"auth.server_secret={keys}/server.key_secret", f"auth.authorized={keys}/authorized",
-        f"auth.server_key={keys}/server.key", f"auth.client_key={keys}/clients/honest.key_secret", f"hub.max_frame_bytes={MAX_FRAME}",
-        "rollout.samples_per_prompt=2", "train.prompts_per_step=4", "staleness.max_staleness=1", "hub.actor_timeout_s=30", *extra])
+    cfg = load_config(
+        None,
+        [
+            f"hub.bind={addr}",
+            "auth.curve=on",
+            f"auth.server_secret={keys}/server.key_secret",
+            f"auth.authorized={keys}/authorized",
+            f"auth.server_key={keys}/server.key",
+            f"auth.client_key={keys}/clients/honest.key_secret",
+            f"hub.max_frame_bytes={MAX_FRAME}",
+            "rollout.samples_per_prompt=2",
+            "train.prompts_per_step=4",
+            "staleness.max_staleness=1",
+            "hub.actor_timeout_s=30",
+            *extra,
+        ],
+    )
     hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()))
     hub.start()
     return cfg, keys, addr, hub
@@ -56,8 +69,13 @@ def counted(snap) -> float:
     """Flood messages the hub has handled: each one is a protocol error, an unknown actor, or a Register
     (each but the first replacing its connection's previous actor), or, once libzmq has closed the
     flooder's connection for its oversized last frame, one it had queued before (dropped, counted)."""
-    return (snap.get("hub/protocol_errors", 0) + snap.get("hub/unknown_actor", 0) + snap.get("hub/reregistered", 0)
-            + snap.get("hub/from_closed_connections", 0) + 1)
+    return (
+        snap.get("hub/protocol_errors", 0)
+        + snap.get("hub/unknown_actor", 0)
+        + snap.get("hub/reregistered", 0)
+        + snap.get("hub/from_closed_connections", 0)
+        + 1
+    )
 
 
 def train(hub, actor, version, seconds, on_step=lambda: None, until=lambda: False):
@@ -84,15 +102,32 @@ def test_flood_leaves_memory_bounded_and_the_learner_stepping(tmp_path):
         rss0 = rss_mb()
         peak = [rss0]
         out = tmp_path / "flood.json"
-        flooder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "drivers" / "flooder.py"), addr, str(keys / "server.key"),
-                                    str(keys / "clients" / "flooder.key_secret"), str(FLOOD_MESSAGES), str(FLOOD_MAX_S),
-                                    str(MAX_FRAME), str(out)], stdin=subprocess.PIPE)
+        flooder = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "drivers" / "flooder.py"),
+                addr,
+                str(keys / "server.key"),
+                str(keys / "clients" / "flooder.key_secret"),
+                str(FLOOD_MESSAGES),
+                str(FLOOD_MAX_S),
+                str(MAX_FRAME),
+                str(out),
+            ],
+            stdin=subprocess.PIPE,
+        )
         while not counted(hub.snapshot()) and flooder.poll() is None:
             version, _ = train(hub, actor, version, 0.05)  # until the flood reaches the hub
         t0 = time.monotonic()
         # Train through the flood: until every message the flooder sent has been handled by the hub.
-        version, flood_steps = train(hub, actor, version, FLOOD_MAX_S + 20, on_step=lambda: peak.append(rss_mb()),
-                                     until=lambda: out.exists() and counted(hub.snapshot()) >= FLOOD_MESSAGES - 1)
+        version, flood_steps = train(
+            hub,
+            actor,
+            version,
+            FLOOD_MAX_S + 20,
+            on_step=lambda: peak.append(rss_mb()),
+            until=lambda: out.exists() and counted(hub.snapshot()) >= FLOOD_MESSAGES - 1,
+        )
         flood_s = time.monotonic() - t0
         flood_rate = flood_steps / flood_s
         assert flooder.stdin is not None
@@ -108,10 +143,12 @@ def test_flood_leaves_memory_bounded_and_the_learner_stepping(tmp_path):
         hub.stop()
     growth = max(peak) - rss0
     handled = counted(snap)
-    print(f"flood: {flood['total']} messages queued in {flood['seconds']:.1f} s, the hub handled {handled:.0f} in {flood_s:.1f} s "
-          f"(protocol errors {snap['hub/protocol_errors']:.0f}, unknown actor {snap['hub/unknown_actor']:.0f}, "
-          f"replies dropped {snap.get('hub/replies_dropped', 0):.0f}); steps/s {base_rate:.1f} before, {flood_rate:.1f} during; "
-          f"RSS {rss0:.0f} MB + {growth:.1f} MB")
+    print(
+        f"flood: {flood['total']} messages queued in {flood['seconds']:.1f} s, the hub handled {handled:.0f} in {flood_s:.1f} s "
+        f"(protocol errors {snap['hub/protocol_errors']:.0f}, unknown actor {snap['hub/unknown_actor']:.0f}, "
+        f"replies dropped {snap.get('hub/replies_dropped', 0):.0f}); steps/s {base_rate:.1f} before, {flood_rate:.1f} during; "
+        f"RSS {rss0:.0f} MB + {growth:.1f} MB"
+    )
     # Every message but the last (over the hard cap: libzmq stops reading that connection) reached the hub's
     # decoder and handlers and was counted exactly once.
     assert flood["total"] == FLOOD_MESSAGES and handled == FLOOD_MESSAGES - 1

@@ -37,7 +37,8 @@ def _generic(cls):
         else:
             hint = hints[f.name]
             values[f.name] = {int: 1, float: 1.0, str: "a", bool: True}.get(hint) or (
-                [[1]] if hint == list[list[int]] else ["a"] if hint == list[str] else [1])
+                [[1]] if hint == list[list[int]] else ["a"] if hint == list[str] else [1]
+            )
     return cls(**values)
 
 
@@ -49,12 +50,45 @@ def samples() -> list[m.Message]:
         m.WorkRequest(actor_id="a", max_prompts=8),
         m.WorkGrant(prompt_id=5, epoch=1, prompt_tokens=np.arange(1, 5, dtype=np.int32), answer="7", policy_version=2, lease_s=60.0),
         rollout_group(n=3),
-        m.EvalGrant(eval_round=2, split="val", prompt_id=5, prompt_tokens=np.arange(1, 5, dtype=np.int32), answer="25",
-                    policy_version=7, n=3, temperature=0.7, seed=4_000_000_000, lease_s=60.0),
-        m.EvalResult(actor_id="a", eval_round=2, split="test", prompt_id=5, lengths=np.array([1, 2, 3], np.int32),
-                     rewards=np.array([1, 0, 1], np.float32), finish_reasons=["stop"] * 3, version_min=7, version_max=7, gen_s=0.1),
-        m.WeightSync(policy_version=1, group_epoch=2, store_host="127.0.0.1", store_port=1234, rank=1, ranks=2, world_size=3, backend="nccl",
-                     timeout_s=30.0, names=["w", "b"], shapes=[[2, 3], [3]], dtype="float32", bucket_bytes=1 << 20),
+        m.EvalGrant(
+            eval_round=2,
+            split="val",
+            prompt_id=5,
+            prompt_tokens=np.arange(1, 5, dtype=np.int32),
+            answer="25",
+            policy_version=7,
+            n=3,
+            temperature=0.7,
+            seed=4_000_000_000,
+            lease_s=60.0,
+        ),
+        m.EvalResult(
+            actor_id="a",
+            eval_round=2,
+            split="test",
+            prompt_id=5,
+            lengths=np.array([1, 2, 3], np.int32),
+            rewards=np.array([1, 0, 1], np.float32),
+            finish_reasons=["stop"] * 3,
+            version_min=7,
+            version_max=7,
+            gen_s=0.1,
+        ),
+        m.WeightSync(
+            policy_version=1,
+            group_epoch=2,
+            store_host="127.0.0.1",
+            store_port=1234,
+            rank=1,
+            ranks=2,
+            world_size=3,
+            backend="nccl",
+            timeout_s=30.0,
+            names=["w", "b"],
+            shapes=[[2, 3], [3]],
+            dtype="float32",
+            bucket_bytes=1 << 20,
+        ),
         m.WeightVersion(actor_id="a", served_version=1, group_epoch=2, load_s=0.1),
         m.Error(code="protocol", detail="x"),
         m.Shutdown(reason="done"),
@@ -71,8 +105,20 @@ def samples() -> list[m.Message]:
     return out
 
 
-KNOWN = {"Register", "RegisterAck", "Heartbeat", "WorkRequest", "WorkGrant", "RolloutGroup", "EvalGrant", "EvalResult",
-         "WeightSync", "WeightVersion", "Error", "Shutdown"} & set(m.MESSAGE_TYPES)
+KNOWN = {
+    "Register",
+    "RegisterAck",
+    "Heartbeat",
+    "WorkRequest",
+    "WorkGrant",
+    "RolloutGroup",
+    "EvalGrant",
+    "EvalResult",
+    "WeightSync",
+    "WeightVersion",
+    "Error",
+    "Shutdown",
+} & set(m.MESSAGE_TYPES)
 SAMPLES = samples()
 VALID = [[bytes(f) for f in encode(msg)] for msg in SAMPLES]
 
@@ -205,7 +251,9 @@ def test_mutated_valid_messages(which, ops, wrap):
     frames = [bytearray(f) for f in VALID[which]]
     for op in ops:
         frames = _mutate(frames, op)
-    as_type = {"bytes": bytes, "bytearray": bytearray, "memoryview": lambda f: memoryview(bytes(f)), "zmq": lambda f: zmq.Frame(bytes(f))}[wrap]
+    as_type = {"bytes": bytes, "bytearray": bytearray, "memoryview": lambda f: memoryview(bytes(f)), "zmq": lambda f: zmq.Frame(bytes(f))}[
+        wrap
+    ]
     check([as_type(f) for f in frames])
 
 

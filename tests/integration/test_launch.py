@@ -18,9 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # A child that exits a little after SIGTERM, as the learner and actors do, and leaves a grandchild in its group.
-CHILD = ("import signal, subprocess, sys, time; "
-         "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-         "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.2), sys.exit(0))); time.sleep(600)")
+CHILD = (
+    "import signal, subprocess, sys, time; "
+    "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.2), sys.exit(0))); time.sleep(600)"
+)
 
 # Default dispositions first: a test run started in the background inherits SIGINT ignored, and under
 # nohup SIGHUP, and the launcher leaves an ignored signal ignored (test_nohup_keeps_sighup_ignored).
@@ -83,8 +85,9 @@ def test_a_signal_to_the_launcher_stops_all_it_started(sig, tmp_path):
         assert all(alive(p) for p in children + grandchildren)
         launcher.send_signal(sig)
         assert launcher.wait(timeout=30) == 128 + sig
-        assert wait_for(lambda: not any(alive(p) for p in children + grandchildren), 5.0), \
+        assert wait_for(lambda: not any(alive(p) for p in children + grandchildren), 5.0), (
             f"left running after the launcher stopped: {[p for p in children + grandchildren if alive(p)]}"
+        )
     finally:
         launcher.kill()
         launcher.wait()

@@ -18,15 +18,34 @@ import pytest
 from protocol.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = ["train.total_steps=3", "train.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.micro_batch_samples=4",
-            "train.mini_batches=2", "staleness.max_staleness=1", "train.lr=1e-3"]
+SETTINGS = [
+    "train.total_steps=3",
+    "train.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "train.micro_batch_samples=4",
+    "train.mini_batches=2",
+    "staleness.max_staleness=1",
+    "train.lr=1e-3",
+]
 
 
 def run_ranks(model_dir: str, nproc: int, tmp_path: Path, *overrides: str) -> dict:
     out = tmp_path / f"out-{nproc}.json"
     overrides = (*overrides, f"cluster.learner_gpus_per_node={nproc}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-           str(ROOT / "tests" / "drivers" / "train_steps.py"), model_dir, str(out), *SETTINGS, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "tests" / "drivers" / "train_steps.py"),
+        model_dir,
+        str(out),
+        *SETTINGS,
+        *overrides,
+    ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,8 +77,14 @@ def test_zero2_two_ranks_match_zero3_one(one_rank, tiny_model_dir, tmp_path):
 def test_ppo_critic_kl_entropy_decoupled_two_ranks_match_one(tiny_model_dir, tmp_path):
     """Every algorithm unit on the multi-rank path: GAE with a critic (its own DeepSpeed engine), KL to the
     reference, the entropy bonus, decoupled correction with proximal logprobs from a pre-pass."""
-    algo = ("algo.advantage=gae", "algo.kl_coef=0.05", "algo.entropy_coef=0.01", "algo.correction=decoupled",
-            "algo.critic_lr=1e-3", "train.zero_stage=2")
+    algo = (
+        "algo.advantage=gae",
+        "algo.kl_coef=0.05",
+        "algo.entropy_coef=0.01",
+        "algo.correction=decoupled",
+        "algo.critic_lr=1e-3",
+        "train.zero_stage=2",
+    )
     one = run_ranks(str(tiny_model_dir), 1, tmp_path, *algo)
     two = run_ranks(str(tiny_model_dir), 2, tmp_path, *algo)
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-6)

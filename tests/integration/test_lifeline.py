@@ -70,8 +70,14 @@ def test_a_child_whose_actor_is_gone_kills_itself_as_it_attaches(actor_is_ancest
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         env = {**os.environ, "FLEETRL_LIFELINE": str(os.getpid() if actor_is_ancestor else other.pid)}
-        child = subprocess.run([sys.executable, "-c", "from actors import lifeline; lifeline.attach(); print('attached')"],
-                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        child = subprocess.run(
+            [sys.executable, "-c", "from actors import lifeline; lifeline.attach(); print('attached')"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         other.kill()
         other.wait()

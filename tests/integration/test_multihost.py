@@ -80,6 +80,7 @@ def holdings(log: Tail, actor: str) -> set[tuple[int, int]]:
 
 def cut_while_holding(host: Host, log: Tail, procs: dict, attempts: int = 10) -> set[tuple[int, int]]:
     """Cut the link right after the hub grants the host's actor a prompt; retry if it returned everything first."""
+
     def granted_since(seen: int) -> bool:
         return any(a == host.name for e in log.named("hub.granted")[seen:] for a, _, _ in e["grants"])
 
@@ -122,20 +123,35 @@ def start_fleet(netns, tiny_model_dir, tmp_path: Path, actors: list[str]) -> Fle
     hosts = {"learner": learner, **{name: netns.add(name) for name in actors}}
     run_dir = tmp_path / "run"
     hub = f"tcp://{learner.addr}:{PORT}"
-    cfg = load_config(None, [
-        f"run.dir={run_dir}", f"model.path={tiny_model_dir}", f"hub.bind={hub}", f"weights.host={learner.addr}",
-        "train.total_steps=100000", f"train.prompts_per_step={PROMPTS}", "rollout.samples_per_prompt=4",
-        "train.micro_batch_samples=32", f"staleness.max_staleness={K}", "hub.heartbeat_s=0.5", "hub.actor_timeout_s=3",
-        "staleness.lease_s=8", "weights.timeout_s=5", "actor.max_groups=4",
-        *auth.key_overrides(tmp_path / "keys")])  # CURVE: required off loopback
+    cfg = load_config(
+        None,
+        [
+            f"run.dir={run_dir}",
+            f"model.path={tiny_model_dir}",
+            f"hub.bind={hub}",
+            f"weights.host={learner.addr}",
+            "train.total_steps=100000",
+            f"train.prompts_per_step={PROMPTS}",
+            "rollout.samples_per_prompt=4",
+            "train.micro_batch_samples=32",
+            f"staleness.max_staleness={K}",
+            "hub.heartbeat_s=0.5",
+            "hub.actor_timeout_s=3",
+            "staleness.lease_s=8",
+            "weights.timeout_s=5",
+            "actor.max_groups=4",
+            *auth.key_overrides(tmp_path / "keys"),
+        ],
+    )  # CURVE: required off loopback
     config = tmp_path / "config.toml"
     config.write_text(dump_toml(cfg))  # one file for the learner and every actor, as on a real cluster
     cli = [sys.executable, "-m", "deploy.cli"]
     env = {"PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING", "FLEETRL_DEBUG": "1"}  # debug: grants, receipts, loads
     procs = {"learner": learner.spawn([*cli, "learner", "--config", str(config)], tmp_path / "learner.out", env, ROOT)}
     for name in actors:
-        procs[name] = hosts[name].spawn([*cli, "actor", "--learner", hub, "--config", str(config), "--id", name],
-                                        tmp_path / f"{name}.out", env, ROOT)
+        procs[name] = hosts[name].spawn(
+            [*cli, "actor", "--learner", hub, "--config", str(config), "--id", name], tmp_path / f"{name}.out", env, ROOT
+        )
     return Fleet(hosts, procs, run_dir, Tail(run_dir / "logs" / "learner.jsonl"), Tail(run_dir / "metrics.jsonl"))
 
 
@@ -147,15 +163,22 @@ def test_cut_actor_is_dropped_then_readmitted_and_no_prompt_is_lost(netns, tiny_
     held = cut_while_holding(a2, log, procs)
     (removed,) = wait_for("actor2 declared dead", lambda: log.named("hub.actor_removed", "actor2"), procs, 30)
     steps_at_removal = len(metrics.read())
-    wait_for("4 steps with actor1 alone in the weight group",
-             lambda: sum(r["weights/members"] == 1 for r in metrics.read()[steps_at_removal:]) >= 4, procs, 60)
+    wait_for(
+        "4 steps with actor1 alone in the weight group",
+        lambda: sum(r["weights/members"] == 1 for r in metrics.read()[steps_at_removal:]) >= 4,
+        procs,
+        60,
+    )
     steps_at_restore = len(metrics.read())
     a2.restore()
     wait_for("actor2 registered again", lambda: len(log.named("hub.actor_registered", "actor2")) == 2, procs, 60)
     wait_for("actor2's rollouts accepted again", lambda: len(log.named("hub.actor_first_group", "actor2")) == 2, procs, 60)
-    wait_for("a step with both actors in the group again, with on-policy samples",
-             lambda: any(r["weights/members"] == 2 and r["logprob_mismatch"] is not None for r in metrics.read()[steps_at_restore:]),
-             procs, 60)
+    wait_for(
+        "a step with both actors in the group again, with on-policy samples",
+        lambda: any(r["weights/members"] == 2 and r["logprob_mismatch"] is not None for r in metrics.read()[steps_at_restore:]),
+        procs,
+        60,
+    )
     fleet.stop(tmp_path)
 
     rows = metrics.read()
@@ -181,16 +204,25 @@ def test_cut_actor_is_dropped_then_readmitted_and_no_prompt_is_lost(netns, tiny_
     # Its first grant came after that load (the hub grants only to actors serving the current version), and
     # what it generated for those grants carries the new weights' version. (Groups it made before the cut also
     # arrive after the restore: too stale by then, they are dropped and requeued, never trained.)
-    grants = [(e["timestamp"], (ep, pid)) for e in log.named("hub.granted") if e["timestamp"] > rejoined
-              for a, ep, pid in e["grants"] if a == "actor2"]
+    grants = [
+        (e["timestamp"], (ep, pid))
+        for e in log.named("hub.granted")
+        if e["timestamp"] > rejoined
+        for a, ep, pid in e["grants"]
+        if a == "actor2"
+    ]
     assert grants and min(t for t, _ in grants) > loaded["timestamp"]
-    fresh = [e for e in log.named("hub.group_received", "actor2") if e["timestamp"] > rejoined and tuple(e["key"]) in {k for _, k in grants}]
+    fresh = [
+        e for e in log.named("hub.group_received", "actor2") if e["timestamp"] > rejoined and tuple(e["key"]) in {k for _, k in grants}
+    ]
     assert fresh and min(e["version"] for e in fresh) >= loaded["version"]
     # Engine and learner agree on the logprobs of on-policy samples after the re-admission.
     mismatch = [r["logprob_mismatch"] for r in rows[steps_at_restore:] if r["logprob_mismatch"] is not None]
     assert mismatch and max(mismatch) < 1e-4
-    print(f"\ncut holding {len(held)} prompts; {len(requeued)} requeued at removal; {steps_at_restore - steps_at_removal} steps "
-          f"while actor2 was out; {len(rows)} steps in all; epochs {[e['epoch'] for e in log.named('weights.new_group_epoch')]}")
+    print(
+        f"\ncut holding {len(held)} prompts; {len(requeued)} requeued at removal; {steps_at_restore - steps_at_removal} steps "
+        f"while actor2 was out; {len(rows)} steps in all; epochs {[e['epoch'] for e in log.named('weights.new_group_epoch')]}"
+    )
 
 
 def cut_while_lagging(host: Host, fleet: Fleet, attempts: int = 10) -> int:

@@ -93,8 +93,9 @@ def test_restored_hub_admits_only_actors_serving_its_weights():
     from protocol.config import load_config
 
     port = free_port()
-    cfg = load_config(None, [f"hub.bind=tcp://127.0.0.1:{port}", "rollout.samples_per_prompt=3", "train.prompts_per_step=4",
-                             "staleness.max_staleness=1"])
+    cfg = load_config(
+        None, [f"hub.bind=tcp://127.0.0.1:{port}", "rollout.samples_per_prompt=3", "train.prompts_per_step=4", "staleness.max_staleness=1"]
+    )
     prompts = PromptSet(addition_items(), build_tokenizer())
     dead = Hub(cfg, prompts)  # the learner that died: 8 prompts granted and received, 4 of them trained
     keys = [dead.ledger.next_pending() for _ in range(8)]
@@ -151,12 +152,24 @@ def test_restored_hub_admits_only_actors_serving_its_weights():
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "checkpoints" / "step-3").mkdir(parents=True)  # weights only, no training state
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "learner", "--resume", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "learner", "--resume", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"--resume {tmp_path}: no complete checkpoint with training state" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "learner"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "learner"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 2 and "--config FILE is required (or --resume RUN_DIR)" in proc.stderr
 
 
@@ -200,8 +213,14 @@ def test_interrupted_checkpoint_write_is_never_resumed_from(tmp_path):
         CheckpointManager(cfg, {str(tmp_path)!r}, write(2, False)).maybe_save(2, {{}})
         CheckpointManager(cfg, {str(tmp_path)!r}, write(3, True)).maybe_save(3, {{}})
     """
-    proc = subprocess.run([sys.executable, "-c", __import__("textwrap").dedent(script)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", __import__("textwrap").dedent(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 9, proc.stderr[-2000:]
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == [".tmp-step-3-part", "step-2"]
@@ -216,20 +235,42 @@ def test_interrupted_checkpoint_write_is_never_resumed_from(tmp_path):
 
 def _run_driver(model_dir: Path, run_dir: Path, mode: str, nproc: int, *overrides: str) -> dict:
     out = run_dir / f"{mode}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-           str(ROOT / "tests" / "drivers" / "resume_steps.py"), str(model_dir), str(run_dir), str(out), mode,
-           "train.total_steps=4", "checkpoint.every_steps=2", "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
-           "train.micro_batch_samples=4", "train.mini_batches=2", "staleness.max_staleness=1", "train.lr=1e-3",
-           "train.warmup_steps=20", f"cluster.learner_gpus_per_node={nproc}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "tests" / "drivers" / "resume_steps.py"),
+        str(model_dir),
+        str(run_dir),
+        str(out),
+        mode,
+        "train.total_steps=4",
+        "checkpoint.every_steps=2",
+        "train.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "train.micro_batch_samples=4",
+        "train.mini_batches=2",
+        "staleness.max_staleness=1",
+        "train.lr=1e-3",
+        "train.warmup_steps=20",
+        f"cluster.learner_gpus_per_node={nproc}",
+        *overrides,
+    ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("ranks, algo", [(2, ("train.zero_stage=3",)),
-                                         (1, ("train.zero_stage=2", "algo.advantage=gae", "algo.critic_lr=1e-3"))],
-                         ids=["2ranks-zero3", "1rank-zero2-critic"])
+@pytest.mark.parametrize(
+    "ranks, algo",
+    [(2, ("train.zero_stage=3",)), (1, ("train.zero_stage=2", "algo.advantage=gae", "algo.critic_lr=1e-3"))],
+    ids=["2ranks-zero3", "1rank-zero2-critic"],
+)
 def test_resume_trains_exactly_like_no_interruption(tiny_model_dir, tmp_path, ranks, algo):
     """2 learner ranks with ZeRO-3 (weights and Adam moments sharded), or PPO with a critic (its own engine), 2
     optimizer steps per update, the LR still warming up: a run saves its training state after update 2 (every rank,
@@ -240,8 +281,11 @@ def test_resume_trains_exactly_like_no_interruption(tiny_model_dir, tmp_path, ra
     state = tmp_path / "checkpoints" / "step-2" / "state"
     if ranks == 2:
         assert sorted(p.name for p in (state / "policy").iterdir() if p.suffix == ".pt") == [
-            "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-            "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # one shard per rank
+            "zero_pp_rank_0_mp_rank_00_model_states.pt",
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_model_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ]  # one shard per rank
     else:
         assert (state / "critic" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
     resumed = _run_driver(tiny_model_dir, tmp_path, "resume", ranks, *algo)
@@ -255,6 +299,7 @@ def test_resume_trains_exactly_like_no_interruption(tiny_model_dir, tmp_path, ra
 
 
 # ---- the whole path: a real learner killed and resumed, a real vLLM actor that keeps running ------------------------
+
 
 def _rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
@@ -303,14 +348,27 @@ def test_learner_stopped_and_resumed_while_the_actor_keeps_running(tmp_path, tin
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     hub = f"tcp://127.0.0.1:{free_port()}"
-    overrides = [f"run.dir={run_dir}", f"model.path={tiny_model_dir}", f"hub.bind={hub}", f"train.total_steps={steps}",
-                 f"train.prompts_per_step={prompts}", f"rollout.samples_per_prompt={n}", "checkpoint.keep=2", "hub.heartbeat_s=0.5",
-                 f"staleness.max_staleness={s - 1}"]  # k = S - 1: synchronous, so every row measures the logprob match
+    overrides = [
+        f"run.dir={run_dir}",
+        f"model.path={tiny_model_dir}",
+        f"hub.bind={hub}",
+        f"train.total_steps={steps}",
+        f"train.prompts_per_step={prompts}",
+        f"rollout.samples_per_prompt={n}",
+        "checkpoint.keep=2",
+        "hub.heartbeat_s=0.5",
+        f"staleness.max_staleness={s - 1}",
+    ]  # k = S - 1: synchronous, so every row measures the logprob match
     if ranks == 1:
         overrides += ["train.micro_batch_samples=16", "checkpoint.every_steps=2"]
     else:  # checkpoints only at the end: the one resumed from is the one the SIGTERM made
-        overrides += ["cluster.learner_gpus_per_node=2", "train.zero_stage=3", f"train.mini_batches={s}", "train.micro_batch_samples=4",
-                      "checkpoint.every_steps=0"]
+        overrides += [
+            "cluster.learner_gpus_per_node=2",
+            "train.zero_stage=3",
+            f"train.mini_batches={s}",
+            "train.micro_batch_samples=4",
+            "checkpoint.every_steps=0",
+        ]
     config = run_dir / "config.toml"
     from protocol.config import dump_toml, load_config
 
@@ -339,10 +397,16 @@ def test_learner_stopped_and_resumed_while_the_actor_keeps_running(tmp_path, tin
         if sig == signal.SIGTERM:  # a graceful stop saves what it trained, every rank its shard
             assert resumed_from == len(stopped_rows) >= 3
             assert sorted(p.name for p in (checkpoint / "state" / "policy").glob("zero_pp_rank_*_optim_states.pt")) == [
-                "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+                "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            ]
         # The actor notices, keeps its engine and waits (with backoff) instead of crashing or hanging.
-        _wait("the actor to wait for the learner", lambda: any(e["event"] == "actor.waiting_for_learner"
-                                                                for e in _events(logs / "actor-actor0.jsonl")), [actor], 60)
+        _wait(
+            "the actor to wait for the learner",
+            lambda: any(e["event"] == "actor.waiting_for_learner" for e in _events(logs / "actor-actor0.jsonl")),
+            [actor],
+            60,
+        )
         learner = start(["learner", "--resume", str(run_dir), f"hub.bind={hub}"], "learner-2")
         procs = [learner, actor]
         assert learner.wait(timeout=400) == 0, (tmp_path / "learner-2.out").read_text()[-4000:]
@@ -377,7 +441,7 @@ def test_learner_stopped_and_resumed_while_the_actor_keeps_running(tmp_path, tin
     assert "actor.waiting_for_learner" in names[lost_at:] and "actor.registered" in names[lost_at:]
     # Its worker left the dead learner's weight group, so it joined the new one at once: reusing the old group
     # (the new learner numbers its epochs from 1 again) fails the sync and stalls until weights.timeout_s.
-    assert "actor.weights_failed" not in names[names.index("actor.registered", lost_at):]
+    assert "actor.weights_failed" not in names[names.index("actor.registered", lost_at) :]
     assert not any(e["event"] == "actor.task_failed" for e in events)
     learner_events = _events(logs / "learner.jsonl")
     resumed = [e for e in learner_events if e["event"] == "learner.resumed"]

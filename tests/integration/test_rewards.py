@@ -281,10 +281,20 @@ def test_actor_fills_the_groups_reward_fields():
     from protocol import messages as m
     from protocol.config import load_config
 
-    completions = [Completion(token_ids=np.arange(n, dtype=np.int32), logprobs=-np.ones(n, np.float32), finish_reason=r, text=t)
-                   for n, r, t in ((2, "stop", "ab"), (3, "length", "xyz"))]
-    grant = m.WorkGrant(prompt_id=3, epoch=0, prompt_tokens=np.ones(2, np.int32), answer="a", policy_version=0, lease_s=9.0,
-                        prompt="Q: ", metadata='{"bonus": 10}')
+    completions = [
+        Completion(token_ids=np.arange(n, dtype=np.int32), logprobs=-np.ones(n, np.float32), finish_reason=r, text=t)
+        for n, r, t in ((2, "stop", "ab"), (3, "length", "xyz"))
+    ]
+    grant = m.WorkGrant(
+        prompt_id=3,
+        epoch=0,
+        prompt_tokens=np.ones(2, np.int32),
+        answer="a",
+        policy_version=0,
+        lease_s=9.0,
+        prompt="Q: ",
+        metadata='{"bonus": 10}',
+    )
 
     async def main(grant, spec):
         cfg = load_config(None, [f"rollout.reward_fn={spec}"])
@@ -299,19 +309,44 @@ def test_actor_fills_the_groups_reward_fields():
     assert scores.rewards.tolist() == [12.0, 13.0] and scores.part_names == ["length", "stopped"]
     assert scores.parts.tolist() == [2.0, 1.0, 3.0, 0.0] and scores.errors == 0 and log == []
     group = m.RolloutGroup(
-        actor_id="a", prompt_id=3, epoch=0, prompt_tokens=grant.prompt_tokens, lengths=np.array([2, 3], np.int32),
-        completion_tokens=np.concatenate([c.token_ids for c in completions]), behaviour_logprobs=-np.ones(5, np.float32),
-        rewards=scores.rewards, finish_reasons=["stop", "length"], version_min=0, version_max=0, gen_s=0.1, reward_s=0.1,
-        reward_parts=scores.parts, reward_part_names=scores.part_names, reward_errors=scores.errors)
+        actor_id="a",
+        prompt_id=3,
+        epoch=0,
+        prompt_tokens=grant.prompt_tokens,
+        lengths=np.array([2, 3], np.int32),
+        completion_tokens=np.concatenate([c.token_ids for c in completions]),
+        behaviour_logprobs=-np.ones(5, np.float32),
+        rewards=scores.rewards,
+        finish_reasons=["stop", "length"],
+        version_min=0,
+        version_max=0,
+        gen_s=0.1,
+        reward_s=0.1,
+        reward_parts=scores.parts,
+        reward_part_names=scores.part_names,
+        reward_errors=scores.errors,
+    )
     group.check()
 
-    bad = m.WorkGrant(prompt_id=4, epoch=0, prompt_tokens=np.ones(2, np.int32), answer="a", policy_version=0, lease_s=9.0,
-                      metadata="not json")
+    bad = m.WorkGrant(
+        prompt_id=4, epoch=0, prompt_tokens=np.ones(2, np.int32), answer="a", policy_version=0, lease_s=9.0, metadata="not json"
+    )
     scores, log = run(main(bad, "tests.reward_fns:behaves"))
     assert [event for event, _ in log] == ["actor.bad_metadata"]  # the reward still runs, with {} as metadata
     completions[0].text = "raise"
     scores, log = run(main(grant, "tests.reward_fns:behaves"))
     assert scores.rewards.tolist() == [0.0, 1.0] and scores.errors == 1
-    assert log == [("actor.reward_errors", {"reward": "tests.reward_fns:behaves", "errors": 1, "of": 2, "prompt_id": 3,
-                                            "split": "train", "first": "RuntimeError: no such key",
-                                            "suppressed": 0})]
+    assert log == [
+        (
+            "actor.reward_errors",
+            {
+                "reward": "tests.reward_fns:behaves",
+                "errors": 1,
+                "of": 2,
+                "prompt_id": 3,
+                "split": "train",
+                "first": "RuntimeError: no such key",
+                "suppressed": 0,
+            },
+        )
+    ]

@@ -85,8 +85,7 @@ def test_masked_chunked_logprobs_match_reference_and_gradcheck(chunk, top_k, top
     (r_h, r_w) = torch.autograd.grad((logp + (0.3 * ent if entropy else 0)).sum(), (hidden, weight))
     torch.testing.assert_close(g_h, r_h, rtol=0, atol=1e-10)
     torch.testing.assert_close(g_w, r_w, rtol=0, atol=1e-10)
-    assert torch.autograd.gradcheck(lambda h, w: ChunkedLogprobs.apply(h, w, targets, 0.7, chunk, entropy, top_k, top_p),
-                                    (hidden, weight))
+    assert torch.autograd.gradcheck(lambda h, w: ChunkedLogprobs.apply(h, w, targets, 0.7, chunk, entropy, top_k, top_p), (hidden, weight))
 
 
 def test_masked_logits_get_no_gradient():
@@ -151,12 +150,31 @@ PROMPT = np.array([5, 6, 17, 7, 15], dtype=np.int32)
 def learner_logprobs(model, head, completions, s, top_k=None, top_p=None):
     from learner.train.batch import Sample, make_micro_batch
 
-    samples = [Sample(tokens=np.concatenate([PROMPT, c.token_ids]), prompt_len=len(PROMPT), behaviour_logprobs=c.logprobs,
-                      advantage=0.0, reward=0.0, version_min=0, version_max=0) for c in completions]
+    samples = [
+        Sample(
+            tokens=np.concatenate([PROMPT, c.token_ids]),
+            prompt_len=len(PROMPT),
+            behaviour_logprobs=c.logprobs,
+            advantage=0.0,
+            reward=0.0,
+            version_min=0,
+            version_max=0,
+        )
+        for c in completions
+    ]
     mb = make_micro_batch(samples, 0)
     with torch.no_grad():
-        logp, _ = score_tokens(model, head, mb, s.temperature, 7, False, torch.device("cpu"),
-                               top_k=s.top_k if top_k is None else top_k, top_p=s.top_p if top_p is None else top_p)
+        logp, _ = score_tokens(
+            model,
+            head,
+            mb,
+            s.temperature,
+            7,
+            False,
+            torch.device("cpu"),
+            top_k=s.top_k if top_k is None else top_k,
+            top_p=s.top_p if top_p is None else top_p,
+        )
     return logp.numpy(), mb.behaviour_logp.numpy()
 
 
@@ -213,17 +231,35 @@ def test_sampling_config_fields():
     from actors.engine import Sampling
     from protocol.config import ConfigError, dump_toml, load_config
 
-    cfg = load_config(None, ['rollout.stop=["User:", "</answer>", "\\n\\n"]', "rollout.include_stop_str_in_output=true",
-                             "rollout.top_p=0.95", "rollout.top_k=20", "eval.greedy=false", "eval.top_p=0.9",
-                             'eval.stop=["</answer>"]'])
+    cfg = load_config(
+        None,
+        [
+            'rollout.stop=["User:", "</answer>", "\\n\\n"]',
+            "rollout.include_stop_str_in_output=true",
+            "rollout.top_p=0.95",
+            "rollout.top_k=20",
+            "eval.greedy=false",
+            "eval.top_p=0.9",
+            'eval.stop=["</answer>"]',
+        ],
+    )
     assert cfg.rollout.stop == ["User:", "</answer>", "\n\n"]
     assert tomllib.loads(dump_toml(cfg))["rollout"]["stop"] == cfg.rollout.stop  # the run directory's copy reads back
-    assert Sampling.rollout(cfg) == Sampling(temperature=1.0, top_p=0.95, top_k=20, stop=("User:", "</answer>", "\n\n"),
-                                             include_stop_str=True)
+    assert Sampling.rollout(cfg) == Sampling(
+        temperature=1.0, top_p=0.95, top_k=20, stop=("User:", "</answer>", "\n\n"), include_stop_str=True
+    )
     assert Sampling.evaluation(cfg, 1.0) == Sampling(temperature=1.0, top_p=0.9, top_k=0, stop=("</answer>",), include_stop_str=True)
-    for override, field in (("rollout.top_p=0", "rollout.top_p"), ("rollout.top_p=1.5", "rollout.top_p"),
-                            ("rollout.top_k=-1", "rollout.top_k"), ("eval.top_p=0", "eval.top_p"), ("eval.top_k=-2", "eval.top_k"),
-                            ("rollout.stop=User:", "rollout.stop"), ('rollout.stop=[""]', "rollout.stop"), ('eval.stop=[1]', "eval.stop"),
-                            ("rollout.reward_timeout_s=0", "rollout.reward_timeout_s"), ("rollout.reward_workers=0", "rollout.reward_workers")):
+    for override, field in (
+        ("rollout.top_p=0", "rollout.top_p"),
+        ("rollout.top_p=1.5", "rollout.top_p"),
+        ("rollout.top_k=-1", "rollout.top_k"),
+        ("eval.top_p=0", "eval.top_p"),
+        ("eval.top_k=-2", "eval.top_k"),
+        ("rollout.stop=User:", "rollout.stop"),
+        ('rollout.stop=[""]', "rollout.stop"),
+        ("eval.stop=[1]", "eval.stop"),
+        ("rollout.reward_timeout_s=0", "rollout.reward_timeout_s"),
+        ("rollout.reward_workers=0", "rollout.reward_workers"),
+    ):
         with pytest.raises(ConfigError, match=f"^{field}: "):
             load_config(None, [override])

@@ -87,9 +87,16 @@ def test_ring_attention_matches_dense_masked_attention():
 def _tiny_gqa_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=40, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=False)  # GQA: 2 query heads per kv head, head_dim 64
+    config = Qwen2Config(
+        vocab_size=40,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # GQA: 2 query heads per kv head, head_dim 64
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).float()
 
@@ -98,10 +105,18 @@ def _samples(shapes):
     from learner.train.batch import Sample
 
     rng = np.random.default_rng(len(shapes))
-    return [Sample(tokens=rng.integers(0, 40, n).astype(np.int32), prompt_len=p,
-                   behaviour_logprobs=(-3.7 + 0.1 * rng.normal(size=n - p)).astype(np.float32),
-                   advantage=(-1.0) ** i * (0.5 + i), reward=0.0, version_min=0, version_max=0)
-            for i, (n, p) in enumerate(shapes)]
+    return [
+        Sample(
+            tokens=rng.integers(0, 40, n).astype(np.int32),
+            prompt_len=p,
+            behaviour_logprobs=(-3.7 + 0.1 * rng.normal(size=n - p)).astype(np.float32),
+            advantage=(-1.0) ** i * (0.5 + i),
+            reward=0.0,
+            version_min=0,
+            version_max=0,
+        )
+        for i, (n, p) in enumerate(shapes)
+    ]
 
 
 def _loss(model, kwargs, batch, total_tokens):
@@ -151,8 +166,9 @@ def _model_worker(rank, world, port):
         assert [t for t, _ in gathered] == [slice(0, t0 := gathered[1][0].start), slice(t0, total_tokens)]
         if name == "rank0_scores_nothing":
             assert t0 == 0
-        torch.testing.assert_close(torch.cat([lp for _, lp in gathered]), ref_logp.detach(), rtol=0, atol=1e-5,
-                                   msg=lambda m, x=name: f"{x} logprobs: {m}")
+        torch.testing.assert_close(
+            torch.cat([lp for _, lp in gathered]), ref_logp.detach(), rtol=0, atol=1e-5, msg=lambda m, x=name: f"{x} logprobs: {m}"
+        )
         total = loss.detach().clone()
         dist.all_reduce(total)
         torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-5, atol=0, msg=lambda m, x=name: f"{x} loss: {m}")
@@ -162,8 +178,9 @@ def _model_worker(rank, world, port):
             scale = ref_p.grad.abs().max()
             assert scale > 0, pname  # every parameter is exercised, so the comparison means something
             # 1e-5 relative to the tensor's largest entry: fp32 sums in another order differ by ~1e-7 of it
-            torch.testing.assert_close(grad, ref_p.grad, rtol=1e-5, atol=1e-5 * float(scale),
-                                       msg=lambda m, x=f"{name} {pname}": f"{x}: {m}")
+            torch.testing.assert_close(
+                grad, ref_p.grad, rtol=1e-5, atol=1e-5 * float(scale), msg=lambda m, x=f"{name} {pname}": f"{x}: {m}"
+            )
             worst[0] = max(worst[0], float((grad - ref_p.grad).abs().max() / scale))
     print(f"rank {rank}: worst gradient error {worst[0]:.1e} of the tensor's largest entry")
     dist.destroy_process_group()
@@ -181,8 +198,7 @@ def _deepspeed_worker(rank, world, port):
     from learner.train.packing import pack_samples
     from learner.train.sequence_parallel import init_sequence_parallel, shard_packed
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     mpu = init_sequence_parallel(world)
@@ -196,11 +212,16 @@ def _deepspeed_worker(rank, world, port):
 
     sp_model.set_attn_implementation(RING)
     before = {n: p.detach().clone() for n, p in sp_model.named_parameters()}
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
-              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2},
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     # plain SGD, lr 1: the step is exactly -grad, so a wrong reduction factor shows (Adam's first step would hide it)
-    engine, *_ = deepspeed.initialize(model=sp_model, optimizer=torch.optim.SGD(sp_model.parameters(), lr=1.0),
-                                      config=config, mpu=mpu)
+    engine, *_ = deepspeed.initialize(model=sp_model, optimizer=torch.optim.SGD(sp_model.parameters(), lr=1.0), config=config, mpu=mpu)
     shard = shard_packed(packed, mpu.get_sequence_parallel_group())
     _, loss = _loss(engine, shard.model_kwargs(), shard, total_tokens)
     engine.backward(loss)

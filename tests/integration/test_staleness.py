@@ -26,8 +26,13 @@ def test_admission_capacity_rule():
 
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_no_sample_beyond_the_bound_is_trained(k, start_hub):
-    hub = start_hub(f"staleness.max_staleness={k}", "train.prompts_per_step=4", "rollout.samples_per_prompt=2",
-                    "staleness.lease_s=0.3", "data.epochs=1000")
+    hub = start_hub(
+        f"staleness.max_staleness={k}",
+        "train.prompts_per_step=4",
+        "rollout.samples_per_prompt=2",
+        "staleness.lease_s=0.3",
+        "data.epochs=1000",
+    )
     addr = hub.cfg.hub.bind
     actors = [
         ScriptedActor(addr, "fast", 2, delay_s=0.02, seed=0).start(),

@@ -25,11 +25,11 @@ def _row(out: str, actor: str) -> list[str]:
 
 
 def test_status_once_shows_the_fleet(capsys, start_hub):
-    hub = start_hub("staleness.max_staleness=2", "train.prompts_per_step=4", "rollout.samples_per_prompt=2",
-                    "staleness.lease_s=60", "data.epochs=1000")
+    hub = start_hub(
+        "staleness.max_staleness=2", "train.prompts_per_step=4", "rollout.samples_per_prompt=2", "staleness.lease_s=60", "data.epochs=1000"
+    )
     addr = hub.cfg.hub.bind
-    actors = [ScriptedActor(addr, "fast", 2, delay_s=0.01, seed=0).start(),
-              ScriptedActor(addr, "slow", 2, delay_s=0.5, seed=1).start()]
+    actors = [ScriptedActor(addr, "fast", 2, delay_s=0.01, seed=0).start(), ScriptedActor(addr, "slow", 2, delay_s=0.5, seed=1).start()]
     staleness = Counter()
     try:
         t_sync = 0.0
@@ -55,15 +55,21 @@ def test_status_once_shows_the_fleet(capsys, start_hub):
             buffered, dropped = len(hub.buffer), hub.counters["dropped_stale"]
 
         assert reply.actor_ids == ["fast", "slow"]
-        got = {a: (int(reply.actor_served_version[i]), int(reply.actor_groups[i]), int(reply.actor_leases[i]))
-               for i, a in enumerate(reply.actor_ids)}
+        got = {
+            a: (int(reply.actor_served_version[i]), int(reply.actor_groups[i]), int(reply.actor_leases[i]))
+            for i, a in enumerate(reply.actor_ids)
+        }
         assert got == state
         assert state["fast"][1] > 0 and state["fast"][0] == 6
         assert reply.actor_samples_per_s[0] > 0 and reply.actor_samples_per_s[0] > reply.actor_samples_per_s[1]
         assert (reply.actor_heartbeat_age_s >= 0.3).all() and (reply.actor_heartbeat_age_s < 30).all()
         assert (reply.policy_version, reply.updates, reply.max_staleness, reply.steps_per_update, reply.training) == (6, 6, 2, 1, False)
         assert (reply.pending, reply.granted, reply.received, reply.trained) == (
-            ledger["pending"], ledger["granted"], ledger["received"], ledger["trained"])
+            ledger["pending"],
+            ledger["granted"],
+            ledger["received"],
+            ledger["trained"],
+        )
         assert reply.trained == 24 and (reply.buffered, reply.dropped_stale) == (buffered, dropped)
         assert reply.staleness_counts.tolist() == [staleness[s] for s in range(max(staleness) + 1)]
         assert reply.syncs == 6 and reply.sync_s == pytest.approx(0.004) and reply.broadcast_s == pytest.approx(0.03)
@@ -91,12 +97,32 @@ def test_status_once_shows_the_fleet(capsys, start_hub):
 
 def test_status_reply_is_validated():
     reply = m.StatusReply(
-        policy_version=3, max_staleness=1, steps_per_update=1, updates=3, training=True, uptime_s=5.0, step_s=0.2, syncs=3,
-        sync_age_s=0.1, sync_s=0.01, broadcast_s=0.02, buffered=2, pending=10, granted=4, received=2, trained=12,
-        dropped_stale=1, staleness_window=512, actor_ids=["a", "b"],
-        actor_served_version=np.array([3, 2], np.int32), actor_samples_per_s=np.array([10.0, 5.0], np.float32),
-        actor_groups=np.array([4, 2], np.int32), actor_leases=np.array([1, 0], np.int32),
-        actor_heartbeat_age_s=np.array([0.5, 1.0], np.float32), staleness_counts=np.array([10, 2], np.int32))
+        policy_version=3,
+        max_staleness=1,
+        steps_per_update=1,
+        updates=3,
+        training=True,
+        uptime_s=5.0,
+        step_s=0.2,
+        syncs=3,
+        sync_age_s=0.1,
+        sync_s=0.01,
+        broadcast_s=0.02,
+        buffered=2,
+        pending=10,
+        granted=4,
+        received=2,
+        trained=12,
+        dropped_stale=1,
+        staleness_window=512,
+        actor_ids=["a", "b"],
+        actor_served_version=np.array([3, 2], np.int32),
+        actor_samples_per_s=np.array([10.0, 5.0], np.float32),
+        actor_groups=np.array([4, 2], np.int32),
+        actor_leases=np.array([1, 0], np.int32),
+        actor_heartbeat_age_s=np.array([0.5, 1.0], np.float32),
+        staleness_counts=np.array([10, 2], np.int32),
+    )
     back = decode(encode(reply))
     assert isinstance(back, m.StatusReply) and back.actor_ids == ["a", "b"] and back.staleness_counts.tolist() == [10, 2]
     reply.actor_leases = np.array([1], np.int32)  # one entry for two actors

@@ -38,9 +38,19 @@ def make_trainer(model_dir, *overrides):
     from learner.train.trainer import StepLayout, Trainer
     from protocol.config import load_config
 
-    cfg = load_config(None, [f"model.path={model_dir}", "rollout.samples_per_prompt=4", "train.prompts_per_step=4",
-                             f"train.mini_batches={STEPS}", "staleness.max_staleness=1", "train.micro_batch_samples=8",
-                             "train.warmup_steps=0", *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "rollout.samples_per_prompt=4",
+            "train.prompts_per_step=4",
+            f"train.mini_batches={STEPS}",
+            "staleness.max_staleness=1",
+            "train.micro_batch_samples=8",
+            "train.warmup_steps=0",
+            *overrides,
+        ],
+    )
     init_distributed()
     torch.manual_seed(0)
     layout = StepLayout.of(make_plan(cfg, num_prompts=100))
@@ -52,8 +62,9 @@ def make_trainer(model_dir, *overrides):
 def one_share(cfg, trainer, behaviour_logp=-2.5, edit=None):
     from learner.train.trainer import make_shares
 
-    groups = synthetic_groups(groups=4, samples=4, seed=3, version=0, prompt_len=4, completion=(1, 4), vocab=(3, 20),
-                              behaviour_logp=behaviour_logp)
+    groups = synthetic_groups(
+        groups=4, samples=4, seed=3, version=0, prompt_len=4, completion=(1, 4), vocab=(3, 20), behaviour_logp=behaviour_logp
+    )
     if edit is not None:
         edit(groups)
     return make_shares(cfg, groups, 0, cfg.staleness.max_staleness, 1, vocab_size=trainer.vocab_size)[0][0]

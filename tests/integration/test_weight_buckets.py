@@ -58,7 +58,9 @@ def test_live_is_rechecked_when_a_parameter_moves():
 
 
 @pytest.mark.parametrize("layout", ["flat", "separate"])
-@pytest.mark.parametrize("param_dtype, wire_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "param_dtype, wire_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+)
 def test_copies_equal_the_concatenated_parameters(layout, param_dtype, wire_dtype):
     params = flat_params(SHAPES, param_dtype) if layout == "flat" else [torch.randn(s).to(param_dtype) for s in SHAPES]
     b = Buckets(params, wire_dtype, bucket_bytes=64 << 10)

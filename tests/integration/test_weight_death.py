@@ -74,8 +74,16 @@ def digest(params: list[torch.Tensor]) -> str:
 @pytest.fixture
 def learner():
     addr = f"tcp://127.0.0.1:{free_port()}"
-    cfg = load_config(None, [f"hub.bind={addr}", "hub.heartbeat_s=0.2", f"hub.actor_timeout_s={ACTOR_TIMEOUT_S}",
-                             f"weights.timeout_s={TIMEOUT_S}", "weights.bucket_mb=8"])
+    cfg = load_config(
+        None,
+        [
+            f"hub.bind={addr}",
+            "hub.heartbeat_s=0.2",
+            f"hub.actor_timeout_s={ACTOR_TIMEOUT_S}",
+            f"weights.timeout_s={TIMEOUT_S}",
+            "weights.bucket_mb=8",
+        ],
+    )
     hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()))
     hub.start()
     # 48 MiB in 6 parameters, views of one flat buffer as ZeRO-1/2 keeps them: 6 buckets, each far above
@@ -177,8 +185,10 @@ def test_dead_and_hung_members_are_dropped_and_the_survivors_served(learner):
     sender.wait()
     snap = hub.snapshot()
     assert snap["hub/actors_lost"] == 3 and snap["hub/actors_disconnected"] == 2  # the stopped one: heartbeat timeout
-    print(f"death costs: killed mid-broadcast {killed_s:.2f} s, hung {hung_s:.2f} s (actor_timeout_s {ACTOR_TIMEOUT_S}), "
-          f"died as its group formed {formed_s:.2f} s; weights.timeout_s = {TIMEOUT_S}")
+    print(
+        f"death costs: killed mid-broadcast {killed_s:.2f} s, hung {hung_s:.2f} s (actor_timeout_s {ACTOR_TIMEOUT_S}), "
+        f"died as its group formed {formed_s:.2f} s; weights.timeout_s = {TIMEOUT_S}"
+    )
 
 
 @pytest.mark.parametrize("version", [0, 4])

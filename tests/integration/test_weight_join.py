@@ -92,8 +92,17 @@ def learner(request):
     device = getattr(request, "param", "cpu")
     addr = f"tcp://127.0.0.1:{free_port()}"
     # hub.actor_timeout_s is long: a silent member still heartbeats, and must be caught by the join deadline.
-    cfg = load_config(None, [f"hub.bind={addr}", "hub.heartbeat_s=0.2", "hub.actor_timeout_s=20",
-                             f"weights.timeout_s={TIMEOUT_S}", f"weights.join_timeout_s={JOIN_S}", "weights.bucket_mb=2"])
+    cfg = load_config(
+        None,
+        [
+            f"hub.bind={addr}",
+            "hub.heartbeat_s=0.2",
+            "hub.actor_timeout_s=20",
+            f"weights.timeout_s={TIMEOUT_S}",
+            f"weights.join_timeout_s={JOIN_S}",
+            "weights.bucket_mb=2",
+        ],
+    )
     hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()))
     hub.start()
     flat = torch.randn(6 * (256 << 10), device=device)  # 6 MiB in 6 parameters, views of one flat buffer (ZeRO-1/2)
@@ -173,8 +182,10 @@ def test_a_member_that_never_joins_holds_training_up_once_for_the_join_deadline(
     out = sender.sync(4, hub)
     assert out["weights/members"] == 2.0, out
     assert not [e for e in list(bad.events.queue) if e["event"] == "synced"]
-    print(f"{mode}: delay of the step after sync 1 {first_delay:.2f} s (weights.join_timeout_s {JOIN_S}), "
-          f"after sync 2 {second_delay:.2f} s, after sync 3 {third_delay:.2f} s; weights.timeout_s {TIMEOUT_S}")
+    print(
+        f"{mode}: delay of the step after sync 1 {first_delay:.2f} s (weights.join_timeout_s {JOIN_S}), "
+        f"after sync 2 {second_delay:.2f} s, after sync 3 {third_delay:.2f} s; weights.timeout_s {TIMEOUT_S}"
+    )
 
 
 def test_a_newcomer_that_never_joins_holds_nobody_up(learner):

@@ -69,8 +69,21 @@ def test_landing_buffer_for_gloo_is_host_memory():
 
 def test_messages_carry_ranks_and_backend_and_refuse_bad_ones():
     def sync(**kw):
-        base = dict(policy_version=1, group_epoch=1, store_host="h", store_port=1, rank=1, ranks=2, world_size=3, backend="nccl",
-                    timeout_s=1.0, names=[], shapes=[], dtype="float32", bucket_bytes=1)
+        base = dict(
+            policy_version=1,
+            group_epoch=1,
+            store_host="h",
+            store_port=1,
+            rank=1,
+            ranks=2,
+            world_size=3,
+            backend="nccl",
+            timeout_s=1.0,
+            names=[],
+            shapes=[],
+            dtype="float32",
+            bucket_bytes=1,
+        )
         return m.WeightSync(**{**base, **kw})
 
     sync().check()
@@ -121,7 +134,13 @@ def test_engine_on_cuda_gets_gpu_arguments_and_no_cpu_knobs(monkeypatch):
     assert cpu["enforce_eager"] is True and "gpu_memory_utilization" not in cpu
     assert gpu["enforce_eager"] is False and gpu["gpu_memory_utilization"] == 0.5  # CUDA graphs on
     assert cpu["tensor_parallel_size"] == gpu["tensor_parallel_size"] == 2
-    cpu_vars = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING", "FLEETRL_CPU_GEMM")
+    cpu_vars = (
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "OMP_NUM_THREADS",
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "FLEETRL_CPU_GEMM",
+    )
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in cpu_vars})
     engine_env(cfg, on_cuda=True)
     assert not [k for k in cpu_vars if k in os.environ]

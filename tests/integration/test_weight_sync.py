@@ -44,8 +44,15 @@ class DirectHub:
 
 
 def learner_logprobs(model, prompt, completion, temperature):
-    s = Sample(tokens=np.concatenate([prompt, completion]), prompt_len=len(prompt), behaviour_logprobs=np.zeros(len(completion), np.float32),
-               advantage=0.0, reward=0.0, version_min=0, version_max=0)
+    s = Sample(
+        tokens=np.concatenate([prompt, completion]),
+        prompt_len=len(prompt),
+        behaviour_logprobs=np.zeros(len(completion), np.float32),
+        advantage=0.0,
+        reward=0.0,
+        version_min=0,
+        version_max=0,
+    )
     mb = make_micro_batch([s], 0)
     with torch.no_grad():
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
@@ -65,8 +72,17 @@ def setup(tmp_path_factory, request):
     from deploy.tiny import write_tiny_model
 
     path = write_tiny_model(tmp_path_factory.mktemp("model"), seed=3)
-    cfg = load_config(None, [f"model.path={path}", "rollout.temperature=0.7", "rollout.max_tokens=12", "actor.max_model_len=32", "weights.bucket_mb=1",
-                                f"actor.cpu_gemm={request.param}"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={path}",
+            "rollout.temperature=0.7",
+            "rollout.max_tokens=12",
+            "actor.max_model_len=32",
+            "weights.bucket_mb=1",
+            f"actor.cpu_gemm={request.param}",
+        ],
+    )
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     engine = loop.run_until_complete(_make_engine(Engine, cfg))
@@ -128,7 +144,11 @@ def test_logprobs_match_after_sync(setup):
     # ZeRO-3's path: no parameters held here; each sync is handed a snapshot of the buckets (Trainer.snapshot).
     params = [p for _, p in model.named_parameters()]
     shards = WeightSender(cfg.weights, sender.names, sender.shapes, "float32")
-    shards.store, shards.port, shards.control = sender.store, sender.port, sender.control  # one learner has one rendezvous and one epoch count
+    shards.store, shards.port, shards.control = (
+        sender.store,
+        sender.port,
+        sender.control,
+    )  # one learner has one rendezvous and one epoch count
     shards.epoch = sender.epoch
     snapshot = lambda out: [torch.cat([params[i].detach().reshape(-1) for i in r]) for r in shards.ranges]  # noqa: E731
     msg, _ = _sync(cfg, engine, shards, hub, 2, loop, snapshot)
@@ -165,8 +185,14 @@ def test_completion_text_is_what_vllm_would_detokenize(setup):
     prompt = np.array([5, 6, 17, 7, 15], dtype=np.int32)
 
     async def vllm_texts():
-        params = SamplingParams(n=6, temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens, seed=11,
-                                output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=True)
+        params = SamplingParams(
+            n=6,
+            temperature=cfg.rollout.temperature,
+            max_tokens=cfg.rollout.max_tokens,
+            seed=11,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            skip_special_tokens=True,
+        )
         async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt.tolist()), params, request_id="detok-check"):
             final = out
         return [(list(c.token_ids), c.text) for c in final.outputs]

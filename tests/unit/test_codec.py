@@ -21,8 +21,21 @@ SAMPLES = [
     m.WorkRequest(actor_id="a", max_prompts=8),
     m.WorkGrant(prompt_id=5, epoch=1, prompt_tokens=np.arange(4, dtype=np.int32), answer="7", policy_version=2, lease_s=60.0),
     rollout_group(),
-    m.WeightSync(policy_version=1, group_epoch=2, store_host="127.0.0.1", store_port=1234, rank=1, ranks=2, world_size=3, backend="nccl",
-                 timeout_s=30.0, names=["w", "b"], shapes=[[2, 3], [3]], dtype="float32", bucket_bytes=1 << 20),
+    m.WeightSync(
+        policy_version=1,
+        group_epoch=2,
+        store_host="127.0.0.1",
+        store_port=1234,
+        rank=1,
+        ranks=2,
+        world_size=3,
+        backend="nccl",
+        timeout_s=30.0,
+        names=["w", "b"],
+        shapes=[[2, 3], [3]],
+        dtype="float32",
+        bucket_bytes=1 << 20,
+    ),
     m.WeightVersion(actor_id="a", served_version=1, group_epoch=2, load_s=0.1),
     m.Error(code="protocol", detail="x"),
     m.Shutdown(reason="done"),
@@ -51,8 +64,14 @@ def test_arrays_travel_as_raw_frames_not_lists():
     header = msgpack.unpackb(frames[0])
     assert (header["v"], header["t"]) == (m.PROTOCOL_VERSION, "RolloutGroup")
     total = int(g.lengths.sum())
-    assert header["a"] == [["prompt_tokens", "int32", [4]], ["lengths", "int32", [4]], ["completion_tokens", "int32", [total]],
-                           ["behaviour_logprobs", "float32", [total]], ["rewards", "float32", [4]], ["reward_parts", "float32", [0]]]
+    assert header["a"] == [
+        ["prompt_tokens", "int32", [4]],
+        ["lengths", "int32", [4]],
+        ["completion_tokens", "int32", [total]],
+        ["behaviour_logprobs", "float32", [total]],
+        ["rewards", "float32", [4]],
+        ["reward_parts", "float32", [0]],
+    ]
     assert header["f"]["actor_id"] == "a0" and header["f"]["finish_reasons"] == ["stop"] * 4
     assert not set(header["f"]) & set(m.RolloutGroup.ARRAYS)  # no array data in the header
     assert len(frames) == 1 + len(m.RolloutGroup.ARRAYS)
@@ -149,6 +168,7 @@ def _with_header(frames, header):
 def _set_array(i, part, value):
     def mutate(h):
         h["a"][i][part] = value
+
     return mutate
 
 
@@ -176,7 +196,10 @@ def _set_array(i, part, value):
         (lambda h: h["f"].__setitem__("actor_id", b"a0"), "RolloutGroup.actor_id: expected str, got bytes"),
         (lambda h: h["f"].__setitem__("gen_s", "1.0"), "RolloutGroup.gen_s: expected float, got str"),
         (lambda h: h["f"].__setitem__("finish_reasons", "stop"), "RolloutGroup.finish_reasons: expected list[str], got str"),
-        (lambda h: h["f"].__setitem__("finish_reasons", ["stop", 1, "stop"]), "RolloutGroup.finish_reasons: expected list[str], got a list"),
+        (
+            lambda h: h["f"].__setitem__("finish_reasons", ["stop", 1, "stop"]),
+            "RolloutGroup.finish_reasons: expected list[str], got a list",
+        ),
         (lambda h: h.__setitem__("a", h["a"][:5]), "RolloutGroup: header.a must list its 6 arrays"),
         (lambda h: h.__setitem__("a", {}), "RolloutGroup: header.a must list its 6 arrays"),
         (lambda h: h["a"].__setitem__(0, ["prompt_tokens", "int32"]), "RolloutGroup.prompt_tokens: array entry"),
@@ -201,10 +224,13 @@ def test_bad_headers_are_named(mutate, needle):
         decode(_with_header(frames, header))
 
 
-@pytest.mark.parametrize("header", [
-    {"v": 1, "t": "Register", "f": {"actor_id": "a", "host": "h", "pid": 1, "served_version": 0}, "a": []},  # protocol 1: a map
-    [5, "Register", "", ["a", "h", 1, 0, [""]]],  # protocols 2-5: [version, type, dtypes, values]
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"v": 1, "t": "Register", "f": {"actor_id": "a", "host": "h", "pid": 1, "served_version": 0}, "a": []},  # protocol 1: a map
+        [5, "Register", "", ["a", "h", 1, 0, [""]]],  # protocols 2-5: [version, type, dtypes, values]
+    ],
+)
 def test_older_protocols_are_told_the_version(header):
     """A peer on an older protocol gets told the version mismatch, not a parse error."""
     version = header["v"] if isinstance(header, dict) else header[0]
@@ -262,8 +288,10 @@ def test_truncated_oversized_and_inconsistent():
         (lambda g: g.rewards.__setitem__(1, np.inf), "non-finite"),
         (lambda g: g.rewards.__setitem__(1, np.nan), "non-finite"),
         (lambda g: setattr(g, "reward_part_names", ["format"]), r"reward_parts: 0 values for 4 completions x 1 parts"),
-        (lambda g: (setattr(g, "reward_part_names", ["a"]), setattr(g, "reward_parts", np.array([0, 1, np.nan, 0], np.float32))),
-         "reward_parts: non-finite"),
+        (
+            lambda g: (setattr(g, "reward_part_names", ["a"]), setattr(g, "reward_parts", np.array([0, 1, np.nan, 0], np.float32))),
+            "reward_parts: non-finite",
+        ),
         (lambda g: setattr(g, "reward_errors", 5), r"reward_errors: 5 not in \[0, 4\]"),
         (lambda g: setattr(g, "reward_errors", -1), "reward_errors"),
     ],
@@ -312,14 +340,20 @@ def test_fuzz_mutated_valid_messages_only_raise_protocol_error(which, pos, patch
 
 _ANY = hs.recursive(
     hs.none() | hs.booleans() | hs.integers(-(2**63), 2**64 - 1) | hs.floats() | hs.text(max_size=8) | hs.binary(max_size=8),
-    lambda c: hs.lists(c, max_size=6) | hs.dictionaries(hs.text(max_size=4), c, max_size=4), max_leaves=12)
+    lambda c: hs.lists(c, max_size=6) | hs.dictionaries(hs.text(max_size=4), c, max_size=4),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=200, deadline=None)
 @given(_ANY)
 def test_fuzz_structured_headers_only_raise_protocol_error(obj):
-    for header in ({"v": m.PROTOCOL_VERSION, "t": "RolloutGroup", "f": obj, "a": obj}, {"v": 1, "t": "RolloutGroup", "f": obj, "a": obj},
-                   [m.PROTOCOL_VERSION, "RolloutGroup", obj, obj], obj):
+    for header in (
+        {"v": m.PROTOCOL_VERSION, "t": "RolloutGroup", "f": obj, "a": obj},
+        {"v": 1, "t": "RolloutGroup", "f": obj, "a": obj},
+        [m.PROTOCOL_VERSION, "RolloutGroup", obj, obj],
+        obj,
+    ):
         try:
             decode([msgpack.packb(header, use_bin_type=True)])
         except m.ProtocolError:

@@ -65,7 +65,7 @@ def test_errors_name_file_row_and_column(tmp_path):
         ([{"q": "1+1=", "a": None}], "row 0 (0-based): column 'a' is missing or null"),
         ([{"q": "1+1=", "a": True}], "row 0 (0-based): column 'a' must be a string or number, got bool"),
         ([{"q": "1+1=", "a": {"x": 1}}], "row 0 (0-based): column 'a' must be a string or number, got dict"),
-        ([{"q": [{"role": "user"}], "a": 1}], "column 'q', message 0: expected {\"role\": str, \"content\": str}"),
+        ([{"q": [{"role": "user"}], "a": 1}], 'column \'q\', message 0: expected {"role": str, "content": str}'),
         ([{"q": [{"role": "assistant", "content": "2"}], "a": 2}], "column 'q' has no message before the assistant's reply"),
         ([{"x": "1+1=", "a": 2}], "no columns 'q' and 'a' for data.format = 'plain' (has: 'x', 'a')"),
     ]

@@ -58,9 +58,7 @@ def test_no_commit_hashes():
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     words = {
-        (page.relative_to(ROOT).as_posix(), word)
-        for page in pages()
-        for word in re.findall(r"\b[0-9a-fA-F]{7,40}\b", page.read_text())
+        (page.relative_to(ROOT).as_posix(), word) for page in pages() for word in re.findall(r"\b[0-9a-fA-F]{7,40}\b", page.read_text())
     }
     if not words:
         return
@@ -69,7 +67,10 @@ def test_no_commit_hashes():
     out = subprocess.run(
         ["git", "cat-file", "--batch-check=%(objecttype)"],
         input="".join(f"{word}^{{commit}}\n" for _, word in ordered),
-        capture_output=True, text=True, cwd=ROOT, check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
     ).stdout.splitlines()
     assert len(out) == len(ordered)
     hashes = [f"{page}: {word}" for (page, word), kind in zip(ordered, out, strict=True) if kind == "commit"]

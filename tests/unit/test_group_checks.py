@@ -28,8 +28,9 @@ def prompts():
 
 
 def hub(prompts, *overrides):
-    cfg = load_config(None, ["rollout.samples_per_prompt=3", "train.prompts_per_step=4", "staleness.lease_s=10",
-                             "hub.actor_timeout_s=100", *overrides])
+    cfg = load_config(
+        None, ["rollout.samples_per_prompt=3", "train.prompts_per_step=4", "staleness.lease_s=10", "hub.actor_timeout_s=100", *overrides]
+    )
     state = HubState(cfg, prompts, now=0.0, vocab_size=VOCAB)
     for identity, actor in ((A, "a0"), (B, "b0")):
         state.handle(identity, m.Register(actor_id=actor, host="h", pid=1, served_version=0), 0.0)

@@ -23,8 +23,17 @@ def prompts():
 
 
 def hub(prompts, *overrides):
-    cfg = load_config(None, ["rollout.samples_per_prompt=3", "train.prompts_per_step=4", "staleness.max_staleness=1",
-                             "staleness.lease_s=10", "hub.actor_timeout_s=5", *overrides])
+    cfg = load_config(
+        None,
+        [
+            "rollout.samples_per_prompt=3",
+            "train.prompts_per_step=4",
+            "staleness.max_staleness=1",
+            "staleness.lease_s=10",
+            "hub.actor_timeout_s=5",
+            *overrides,
+        ],
+    )
     return HubState(cfg, prompts, now=0.0)
 
 
@@ -139,8 +148,18 @@ def test_one_actor_per_connection(prompts):
 
 
 def eval_result(round_id, split, prompt_id):
-    return m.EvalResult(actor_id="a0", eval_round=round_id, split=split, prompt_id=prompt_id, lengths=np.ones(1, np.int32),
-                        rewards=np.ones(1, np.float32), finish_reasons=["stop"], version_min=0, version_max=0, gen_s=0.1)
+    return m.EvalResult(
+        actor_id="a0",
+        eval_round=round_id,
+        split=split,
+        prompt_id=prompt_id,
+        lengths=np.ones(1, np.int32),
+        rewards=np.ones(1, np.float32),
+        finish_reasons=["stop"],
+        version_min=0,
+        version_max=0,
+        gen_s=0.1,
+    )
 
 
 def test_eval_round_grants_to_actors_serving_its_version_and_takes_results(prompts):

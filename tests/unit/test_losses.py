@@ -114,11 +114,13 @@ def chunked_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
 
 
 def test_entropy_of_known_distributions():
-    logits = torch.tensor([
-        [0.0, 0.0, 0.0, 0.0],  # uniform over 4: log 4
-        [math.log(0.5), math.log(0.25), math.log(0.25), -1e4],  # .5 log 2 + 2 * .25 log 4 = 1.5 log 2
-        [0.0, -1e4, -1e4, -1e4],  # one-hot: 0, not nan
-    ])
+    logits = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 0.0],  # uniform over 4: log 4
+            [math.log(0.5), math.log(0.25), math.log(0.25), -1e4],  # .5 log 2 + 2 * .25 log 4 = 1.5 log 2
+            [0.0, -1e4, -1e4, -1e4],  # one-hot: 0, not nan
+        ]
+    )
     h = chunked_entropy(logits)
     assert torch.allclose(h, torch.tensor([math.log(4), 1.5 * math.log(2), 0.0]), atol=1e-6)
     # temperature divides the logits first: doubled logits at T = 2 give the same distribution

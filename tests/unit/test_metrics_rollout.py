@@ -18,15 +18,28 @@ from protocol.progress import Eta
 
 def group(tokens: list[list[int]], rewards, reasons, parts=None, errors=0, prompt_id=0) -> RolloutGroup:
     names = sorted(parts or {})
-    table = np.asarray([[parts[k][i] for k in names] for i in range(len(tokens))], np.float32).reshape(-1) if names \
-        else np.zeros(0, np.float32)
+    table = (
+        np.asarray([[parts[k][i] for k in names] for i in range(len(tokens))], np.float32).reshape(-1) if names else np.zeros(0, np.float32)
+    )
     flat = [t for seq in tokens for t in seq]
     return RolloutGroup(
-        actor_id="a0", prompt_id=prompt_id, epoch=0, prompt_tokens=np.asarray([3, 4], np.int32),
-        lengths=np.asarray([len(t) for t in tokens], np.int32), completion_tokens=np.asarray(flat, np.int32),
-        behaviour_logprobs=np.zeros(len(flat), np.float32), rewards=np.asarray(rewards, np.float32),
-        finish_reasons=reasons, version_min=0, version_max=0, gen_s=0.1, reward_s=0.0,
-        reward_parts=table, reward_part_names=names, reward_errors=errors)
+        actor_id="a0",
+        prompt_id=prompt_id,
+        epoch=0,
+        prompt_tokens=np.asarray([3, 4], np.int32),
+        lengths=np.asarray([len(t) for t in tokens], np.int32),
+        completion_tokens=np.asarray(flat, np.int32),
+        behaviour_logprobs=np.zeros(len(flat), np.float32),
+        rewards=np.asarray(rewards, np.float32),
+        finish_reasons=reasons,
+        version_min=0,
+        version_max=0,
+        gen_s=0.1,
+        reward_s=0.0,
+        reward_parts=table,
+        reward_part_names=names,
+        reward_errors=errors,
+    )
 
 
 def test_rollout_metrics():
@@ -34,9 +47,14 @@ def test_rollout_metrics():
     b = group([[7, 7, 7, 7], [8]], [0.0, 1.0], ["length", "stop"], {"correct": [0.0, 1.0]}, errors=1)
     c = group([[9, 9]], [0.5], ["length"])  # a group with no parts: counted in lengths, not in any part's mean
     m = rollout_metrics([a, b, c])
-    assert m == {"response/length_mean": pytest.approx((3 + 2 + 4 + 1 + 2) / 5), "response/length_max": 4.0,
-                 "response/truncation_rate": pytest.approx(2 / 5), "reward/errors": 1.0,
-                 "reward/part/correct": pytest.approx(2 / 4), "reward/part/format": 1.0}
+    assert m == {
+        "response/length_mean": pytest.approx((3 + 2 + 4 + 1 + 2) / 5),
+        "response/length_max": 4.0,
+        "response/truncation_rate": pytest.approx(2 / 5),
+        "reward/errors": 1.0,
+        "reward/part/correct": pytest.approx(2 / 4),
+        "reward/part/format": 1.0,
+    }
     assert list(m)[-2:] == ["reward/part/correct", "reward/part/format"]
 
 
@@ -58,11 +76,20 @@ def test_samples_every_n_steps(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [(x["step"], x["policy_version"]) for x in lines] == [(3, 30), (6, 60)]
     assert lines[0] == {
-        "step": 3, "policy_version": 30, "version_min": 0, "version_max": 0, "prompt_id": 1, "epoch": 0, "actor_id": "a0",
-        "prompt": "4+4=", "answer": "8",
+        "step": 3,
+        "policy_version": 30,
+        "version_min": 0,
+        "version_max": 0,
+        "prompt_id": 1,
+        "epoch": 0,
+        "actor_id": "a0",
+        "prompt": "4+4=",
+        "answer": "8",
         "completions": [
             {"text": "8<eos>", "reward": 1.0, "parts": {"correct": 1.0}, "finish_reason": "stop", "tokens": 2},
-            {"text": "12", "reward": 0.0, "parts": {"correct": 0.0}, "finish_reason": "length", "tokens": 2}]}
+            {"text": "12", "reward": 0.0, "parts": {"correct": 0.0}, "finish_reason": "length", "tokens": 2},
+        ],
+    }
     off = SampleWriter(tmp_path / "off", every_steps=0, groups=1, tokenizer=tok, prompts=prompts)
     assert off.write(10, 10, [g]) == 0 and not (tmp_path / "off").exists()
 
@@ -86,7 +113,14 @@ def test_eta_and_the_step_line(capsys):
         structlog.configure(**saved)
     first, second = capsys.readouterr().err.splitlines()
     assert "learner.step" in first and first.split("learner.step")[1].split() == [
-        "step=4/10", "eta=24s", "version=4", "reward=0.5", "role=learner", "actor_id=None", "policy_version=None"]
+        "step=4/10",
+        "eta=24s",
+        "version=4",
+        "reward=0.5",
+        "role=learner",
+        "actor_id=None",
+        "policy_version=None",
+    ]
     assert second.split("learner.step")[1].split()[:2] == ["step=1/10", "eta=?"]
 
 

@@ -9,9 +9,20 @@ from learner.metrics import MetricsWriter
 
 
 def test_rows_become_tensorboard_scalars(tmp_path):
-    rows = [{"step": s, "policy_version": 2 * s, "reward_mean": 0.25 * s, "time/step": 0.1 + s / 1000,
-             "staleness/max_staleness": 1.0, "hub/granted": float(8 * s), "logprob_mismatch": float("nan"),
-             "eval/val/reward_mean": 0.5 if s == 2 else None, "note": "text"} for s in (1, 2, 3)]
+    rows = [
+        {
+            "step": s,
+            "policy_version": 2 * s,
+            "reward_mean": 0.25 * s,
+            "time/step": 0.1 + s / 1000,
+            "staleness/max_staleness": 1.0,
+            "hub/granted": float(8 * s),
+            "logprob_mismatch": float("nan"),
+            "eval/val/reward_mean": 0.5 if s == 2 else None,
+            "note": "text",
+        }
+        for s in (1, 2, 3)
+    ]
     writer = MetricsWriter(tmp_path)
     for row in rows:
         writer.write(row)

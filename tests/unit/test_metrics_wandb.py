@@ -24,18 +24,27 @@ def test_offline_run_holds_the_logged_rows(tmp_path, monkeypatch):
     logger = WandbLogger(cfg.log, tmp_path, cfg.to_dict())
     assert logger.where.startswith(str(tmp_path / "wandb" / "offline-run-"))
     writer = MetricsWriter(tmp_path, logger)
-    rows = [{"step": s, "reward_mean": 0.25 * s, "response/length_mean": 3.5 + s, "reward/part/correct": 0.5,
-             "logprob_mismatch": float("nan"), "note": "text"} for s in (1, 2, 3)]
+    rows = [
+        {
+            "step": s,
+            "reward_mean": 0.25 * s,
+            "response/length_mean": 3.5 + s,
+            "reward/part/correct": 0.5,
+            "logprob_mismatch": float("nan"),
+            "note": "text",
+        }
+        for s in (1, 2, 3)
+    ]
     for row in rows:
         writer.write(row)
     writer.close()
 
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     records = list(read_records(run_file))
-    history = [{k: v for k, v in h.items() if not k.startswith("_")} | {"_step": h["_step"]} for h in
-               (history_of(r) for r in records) if h]
-    assert history == [{"reward_mean": 0.25 * s, "response/length_mean": 3.5 + s, "reward/part/correct": 0.5, "_step": s}
-                       for s in (1, 2, 3)]  # NaN and strings left out, as in TensorBoard
+    history = [{k: v for k, v in h.items() if not k.startswith("_")} | {"_step": h["_step"]} for h in (history_of(r) for r in records) if h]
+    assert history == [
+        {"reward_mean": 0.25 * s, "response/length_mean": 3.5 + s, "reward/part/correct": 0.5, "_step": s} for s in (1, 2, 3)
+    ]  # NaN and strings left out, as in TensorBoard
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.project, run.display_name) == ("fleetrl-test", tmp_path.name)
     assert json.loads({i.key: i.value_json for i in run.config.update}["train"])["lr"] == cfg.train.lr

@@ -49,9 +49,18 @@ def test_sample_counted_cut_is_consecutive_runs():
 
 def samples(lengths, prompt=2):
     rng = np.random.default_rng(0)
-    return [Sample(tokens=rng.integers(0, 30, n).astype(np.int32), prompt_len=prompt,
-                   behaviour_logprobs=-rng.random(n - prompt).astype(np.float32), advantage=float(i), reward=0.5,
-                   version_min=3, version_max=4) for i, n in enumerate(lengths)]
+    return [
+        Sample(
+            tokens=rng.integers(0, 30, n).astype(np.int32),
+            prompt_len=prompt,
+            behaviour_logprobs=-rng.random(n - prompt).astype(np.float32),
+            advantage=float(i),
+            reward=0.5,
+            version_min=3,
+            version_max=4,
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def test_shares_carry_the_cut_and_the_mini_batch_tokens():

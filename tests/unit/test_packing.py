@@ -17,9 +17,16 @@ SHAPES = [(9, 4), (3, 2), (15, 6), (6, 5), (11, 1)]
 
 
 def tiny_qwen2(heads: int, kv_heads: int, seed: int = 0) -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=40, hidden_size=64 * heads, intermediate_size=128 * heads, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
-                         tie_word_embeddings=False)  # head_dim 64, as the demo model's
+    config = Qwen2Config(
+        vocab_size=40,
+        hidden_size=64 * heads,
+        intermediate_size=128 * heads,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # head_dim 64, as the demo model's
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config).float()
 
@@ -27,10 +34,18 @@ def tiny_qwen2(heads: int, kv_heads: int, seed: int = 0) -> Qwen2ForCausalLM:
 def make_samples(shapes=SHAPES, seed=0, version=3) -> list[Sample]:
     """Behaviour logprobs near a random 40-token model's (about -log 40), so most ratios are unclipped and carry grads."""
     rng = np.random.default_rng(seed)
-    return [Sample(tokens=rng.integers(0, 40, n).astype(np.int32), prompt_len=p,
-                   behaviour_logprobs=(-3.7 + 0.1 * rng.normal(size=n - p)).astype(np.float32),
-                   advantage=(-1.0) ** i * (0.5 + i), reward=0.0, version_min=version - i % 2, version_max=version)
-            for i, (n, p) in enumerate(shapes)]
+    return [
+        Sample(
+            tokens=rng.integers(0, 40, n).astype(np.int32),
+            prompt_len=p,
+            behaviour_logprobs=(-3.7 + 0.1 * rng.normal(size=n - p)).astype(np.float32),
+            advantage=(-1.0) ** i * (0.5 + i),
+            reward=0.0,
+            version_min=version - i % 2,
+            version_max=version,
+        )
+        for i, (n, p) in enumerate(shapes)
+    ]
 
 
 def loss_and_grads(model, logits, mb, total_tokens):
@@ -48,7 +63,8 @@ def test_packed_equals_padded(heads, kv_heads):
     model = tiny_qwen2(heads, kv_heads)
     padded = make_micro_batch(samples, version=3)
     ref_logp, ref_loss, ref_grads = loss_and_grads(
-        model, model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits, padded, total_tokens)
+        model, model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits, padded, total_tokens
+    )
 
     model.set_attn_implementation(VARLEN)
     packed = pack_samples(samples, version=3)
@@ -82,12 +98,14 @@ def test_no_dense_mask_is_built():
     model.set_attn_implementation(VARLEN)
     packed = pack_samples(make_samples(), version=3)
     embeds = model.model.embed_tokens(packed.input_ids)
-    mask = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None,
-                              position_ids=packed.position_ids)
+    mask = create_causal_mask(
+        config=model.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=packed.position_ids
+    )
     assert mask is None
     model.set_attn_implementation("sdpa")  # control: stock sdpa detects the packed positions and builds [N, N]
-    mask = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None,
-                              position_ids=packed.position_ids)
+    mask = create_causal_mask(
+        config=model.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=packed.position_ids
+    )
     assert mask is not None and mask.shape[-2:] == (packed.input_ids.shape[1],) * 2
 
 

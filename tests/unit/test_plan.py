@@ -47,8 +47,9 @@ def test_every_recipe_plans(path):
         assert section in text
 
 
-@pytest.mark.parametrize("name, tokens", [("orz_0p5b_ppo.toml", 8000), ("orz_1p5b_ppo.toml", 8000),
-                                          ("orz_7b_ppo.toml", 8000), ("orz_32b_ppo.toml", 16000)])
+@pytest.mark.parametrize(
+    "name, tokens", [("orz_0p5b_ppo.toml", 8000), ("orz_1p5b_ppo.toml", 8000), ("orz_7b_ppo.toml", 8000), ("orz_32b_ppo.toml", 16000)]
+)
 def test_orz_recipes(name, tokens):
     cfg = load_config(CONFIGS / name)
     assert cfg.rollout.max_tokens == tokens and cfg.actor.max_model_len > tokens
@@ -93,32 +94,68 @@ def test_open_instruct_tulu3_8b():
 
 BAD = [
     # (overrides on the default config, field named, arithmetic shown)
-    (["train.mini_batches=3"], "train.mini_batches",
-     "16 prompts x 8 samples = 128 samples per rollout batch / 3 mini-batches is not whole"),
-    (["train.micro_batch_samples=48"], "train.micro_batch_samples",
-     "128 samples per mini-batch / 1 data-parallel ranks = 128 per rank is not a multiple of train.micro_batch_samples 48"),
-    (["cluster.learner_gpus_per_node=256"], "cluster.learner_gpus_per_node",
-     "256 data-parallel ranks (256 learner ranks (cluster.learner_nodes 1 x cluster.learner_gpus_per_node 256) / "
-     "sequence_parallel_size 1) exceed the 128 samples of a mini-batch"),
+    (
+        ["train.mini_batches=3"],
+        "train.mini_batches",
+        "16 prompts x 8 samples = 128 samples per rollout batch / 3 mini-batches is not whole",
+    ),
+    (
+        ["train.micro_batch_samples=48"],
+        "train.micro_batch_samples",
+        "128 samples per mini-batch / 1 data-parallel ranks = 128 per rank is not a multiple of train.micro_batch_samples 48",
+    ),
+    (
+        ["cluster.learner_gpus_per_node=256"],
+        "cluster.learner_gpus_per_node",
+        "256 data-parallel ranks (256 learner ranks (cluster.learner_nodes 1 x cluster.learner_gpus_per_node 256) / "
+        "sequence_parallel_size 1) exceed the 128 samples of a mini-batch",
+    ),
     (["cluster.learner_gpus_per_node=3"], "cluster.learner_gpus_per_node", "128 samples per mini-batch / 3 data-parallel ranks"),
-    (["cluster.learner_gpus_per_node=4", "train.sequence_parallel_size=3"], "train.sequence_parallel_size",
-     "sequence_parallel_size 3 does not divide 4 learner ranks"),
-    (["train.mini_batches=4", "staleness.max_staleness=2"], "staleness.max_staleness",
-     "2 < S - 1 = 3: a rollout batch is trained in S = 4 optimizer steps (train.mini_batches 4 x train.ppo_epochs 1)"),
-    (["train.ppo_epochs=3", "staleness.max_staleness=1"], "staleness.max_staleness",
-     "1 < S - 1 = 2: a rollout batch is trained in S = 3 optimizer steps (train.mini_batches 1 x train.ppo_epochs 3)"),
-    (["train.total_episodes=1000"], "train.total_episodes",
-     "1000 samples / (16 prompts x 8 samples = 128 samples per rollout batch) = 7.81 rollout batches is not whole"),
-    (["cluster.learner_gpus_per_node=4", "train.sequence_parallel_size=2", "cluster.debug_gpus=3"], "cluster.debug_gpus",
-     "sequence_parallel_size 2 does not divide cluster.debug_gpus = 3 learner ranks"),
-    (["cluster.learner_gpus_per_node=4", "cluster.debug_gpus=3"], "cluster.debug_gpus",
-     "128 samples per mini-batch / 3 data-parallel ranks (cluster.debug_gpus = 3 learner ranks"),
-    (["cluster.learner_gpus_per_node=4", "train.micro_batch_samples=32", "cluster.debug_gpus=8"], "cluster.debug_gpus",
-     "128 samples per mini-batch / 8 data-parallel ranks = 16 per rank is not a multiple of train.micro_batch_samples 32"),
-    (["cluster.actor_gpus_per_node=6", "cluster.tensor_parallel_size=4"], "cluster.tensor_parallel_size",
-     "6 actor GPUs / tensor_parallel_size 4 is not whole"),
-    (["cluster.actor_nodes=2", "cluster.actor_gpus_per_node=2", "cluster.tensor_parallel_size=4", "cluster.debug_gpus=1"],
-     "cluster.debug_gpus", "cluster.actor_gpus_per_node 2 / tensor_parallel_size 4 makes no whole engine"),
+    (
+        ["cluster.learner_gpus_per_node=4", "train.sequence_parallel_size=3"],
+        "train.sequence_parallel_size",
+        "sequence_parallel_size 3 does not divide 4 learner ranks",
+    ),
+    (
+        ["train.mini_batches=4", "staleness.max_staleness=2"],
+        "staleness.max_staleness",
+        "2 < S - 1 = 3: a rollout batch is trained in S = 4 optimizer steps (train.mini_batches 4 x train.ppo_epochs 1)",
+    ),
+    (
+        ["train.ppo_epochs=3", "staleness.max_staleness=1"],
+        "staleness.max_staleness",
+        "1 < S - 1 = 2: a rollout batch is trained in S = 3 optimizer steps (train.mini_batches 1 x train.ppo_epochs 3)",
+    ),
+    (
+        ["train.total_episodes=1000"],
+        "train.total_episodes",
+        "1000 samples / (16 prompts x 8 samples = 128 samples per rollout batch) = 7.81 rollout batches is not whole",
+    ),
+    (
+        ["cluster.learner_gpus_per_node=4", "train.sequence_parallel_size=2", "cluster.debug_gpus=3"],
+        "cluster.debug_gpus",
+        "sequence_parallel_size 2 does not divide cluster.debug_gpus = 3 learner ranks",
+    ),
+    (
+        ["cluster.learner_gpus_per_node=4", "cluster.debug_gpus=3"],
+        "cluster.debug_gpus",
+        "128 samples per mini-batch / 3 data-parallel ranks (cluster.debug_gpus = 3 learner ranks",
+    ),
+    (
+        ["cluster.learner_gpus_per_node=4", "train.micro_batch_samples=32", "cluster.debug_gpus=8"],
+        "cluster.debug_gpus",
+        "128 samples per mini-batch / 8 data-parallel ranks = 16 per rank is not a multiple of train.micro_batch_samples 32",
+    ),
+    (
+        ["cluster.actor_gpus_per_node=6", "cluster.tensor_parallel_size=4"],
+        "cluster.tensor_parallel_size",
+        "6 actor GPUs / tensor_parallel_size 4 is not whole",
+    ),
+    (
+        ["cluster.actor_nodes=2", "cluster.actor_gpus_per_node=2", "cluster.tensor_parallel_size=4", "cluster.debug_gpus=1"],
+        "cluster.debug_gpus",
+        "cluster.actor_gpus_per_node 2 / tensor_parallel_size 4 makes no whole engine",
+    ),
 ]
 
 
@@ -131,11 +168,18 @@ def test_bad_arithmetic_is_rejected_with_the_numbers(overrides, field, arithmeti
     assert arithmetic in str(e.value)
 
 
-@pytest.mark.parametrize("good", [["train.mini_batches=4"], ["train.micro_batch_samples=32"],
-                                  ["cluster.learner_gpus_per_node=128", "train.micro_batch_samples=1"],
-                                  ["cluster.learner_gpus_per_node=4", "train.sequence_parallel_size=2"],
-                                  ["train.total_episodes=1280"], ["cluster.learner_gpus_per_node=4", "cluster.debug_gpus=2"],
-                                  ["cluster.actor_gpus_per_node=8", "cluster.tensor_parallel_size=4"]])
+@pytest.mark.parametrize(
+    "good",
+    [
+        ["train.mini_batches=4"],
+        ["train.micro_batch_samples=32"],
+        ["cluster.learner_gpus_per_node=128", "train.micro_batch_samples=1"],
+        ["cluster.learner_gpus_per_node=4", "train.sequence_parallel_size=2"],
+        ["train.total_episodes=1280"],
+        ["cluster.learner_gpus_per_node=4", "cluster.debug_gpus=2"],
+        ["cluster.actor_gpus_per_node=8", "cluster.tensor_parallel_size=4"],
+    ],
+)
 def test_neighbours_of_the_bad_cases_pass(good):
     """Controls: one step away from each rejected case, the plan is accepted."""
     make_plan(default(*good, "staleness.max_staleness=3"))
@@ -160,8 +204,18 @@ def test_debug_placement_keeps_the_global_batch():
     assert (recipe.accumulation, debug.accumulation, debug.recipe_accumulation) == (256, 1024, 256)
     assert (debug.actor_nodes, debug.actor_engines, debug.recipe_actor_engines) == (1, 8, 32)
     # Everything about the algorithm is identical: batch sizes, steps, staleness, run length.
-    placement = {"debug", "learner_ranks", "data_parallel", "samples_per_rank", "accumulation", "learner_gpus",
-                 "actor_nodes", "actor_engines", "memory", "gpu_bytes"}
+    placement = {
+        "debug",
+        "learner_ranks",
+        "data_parallel",
+        "samples_per_rank",
+        "accumulation",
+        "learner_gpus",
+        "actor_nodes",
+        "actor_engines",
+        "memory",
+        "gpu_bytes",
+    }
     for f in dataclasses.fields(recipe):
         if f.name not in placement:
             assert getattr(debug, f.name) == getattr(recipe, f.name), f.name
@@ -171,17 +225,26 @@ def test_debug_placement_keeps_the_global_batch():
     assert "debug placement (recipe: 32 = 4 node(s) x 8 GPUs)" in render(debug)
 
 
-@pytest.mark.parametrize("dtype, stage, params, grads, adam", [
-    ("bfloat16", 0, 2e6, 4e6, 12e6),  # nothing sharded; fp32 gradient sums; Adam = fp32 m + v + master copy
-    ("bfloat16", 1, 2e6, 4e6, 3e6),
-    ("bfloat16", 2, 2e6, 1e6, 3e6),
-    ("bfloat16", 3, 0.5e6, 1e6, 3e6),
-    ("float32", 0, 4e6, 4e6, 8e6),  # fp32 training: no master copy
-    ("float32", 3, 1e6, 1e6, 2e6),
-])
+@pytest.mark.parametrize(
+    "dtype, stage, params, grads, adam",
+    [
+        ("bfloat16", 0, 2e6, 4e6, 12e6),  # nothing sharded; fp32 gradient sums; Adam = fp32 m + v + master copy
+        ("bfloat16", 1, 2e6, 4e6, 3e6),
+        ("bfloat16", 2, 2e6, 1e6, 3e6),
+        ("bfloat16", 3, 0.5e6, 1e6, 3e6),
+        ("float32", 0, 4e6, 4e6, 8e6),  # fp32 training: no master copy
+        ("float32", 3, 1e6, 1e6, 2e6),
+    ],
+)
 def test_memory_per_gpu(dtype, stage, params, grads, adam):
-    over = ["model.num_params=1000000", f"model.dtype={dtype}", f"train.zero_stage={stage}",
-            "cluster.learner_gpus_per_node=4", "algo.advantage=gae", "algo.kl_coef=0.1"]
+    over = [
+        "model.num_params=1000000",
+        f"model.dtype={dtype}",
+        f"train.zero_stage={stage}",
+        "cluster.learner_gpus_per_node=4",
+        "algo.advantage=gae",
+        "algo.kl_coef=0.1",
+    ]
     p = make_plan(default(*over))
     policy, critic, ref = p.memory
     assert (policy.name, critic.name, ref.name) == ("policy", "critic", "reference")
@@ -288,8 +351,11 @@ def test_activations_follow_the_budget_and_checkpointing():
 
 
 def test_budget_must_hold_the_longest_sample():
-    with pytest.raises(ConfigError, match=r"train\.max_tokens_per_micro_batch: 8192 x sequence_parallel_size 1 < "
-                                          r"actor\.max_model_len 10048.*at least 10048"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.max_tokens_per_micro_batch: 8192 x sequence_parallel_size 1 < "
+        r"actor\.max_model_len 10048.*at least 10048",
+    ):
         plan_of("orz_0p5b_ppo.toml", "train.max_tokens_per_micro_batch=8192")
     # with SP the budget is per GPU: 2 ranks x 8192 hold it
     ok = plan_of("orz_0p5b_ppo.toml", "train.max_tokens_per_micro_batch=8192", "train.sequence_parallel_size=2")

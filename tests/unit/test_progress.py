@@ -38,4 +38,3 @@ def test_long_phase_reports_progress(debug_level):
     assert failed["path"] == "/y" and "disk full" in failed["error"]
     # a quiet phase that was quick says so only at debug level
     assert ("weights.broadcast.begin", "debug") in events and ("weights.broadcast.done", "debug") in events
-

@@ -15,9 +15,18 @@ def test_reference_logprobs_match_the_policy_and_stay_frozen(tmp_path):
     ref = ReferencePolicy.from_pretrained(path)
     assert not ref.model.training and not any(p.requires_grad for p in ref.model.parameters())
     rng = np.random.default_rng(0)
-    samples = [Sample(tokens=rng.integers(3, 20, size=n).astype(np.int32), prompt_len=3,
-                      behaviour_logprobs=np.zeros(n - 3, np.float32), advantage=1.0, reward=1.0, version_min=0, version_max=0)
-               for n in (5, 8)]
+    samples = [
+        Sample(
+            tokens=rng.integers(3, 20, size=n).astype(np.int32),
+            prompt_len=3,
+            behaviour_logprobs=np.zeros(n - 3, np.float32),
+            advantage=1.0,
+            reward=1.0,
+            version_min=0,
+            version_max=0,
+        )
+        for n in (5, 8)
+    ]
     mb = make_micro_batch(samples, version=0)
     ref_logp = ref.logprobs(mb, temperature=0.7)
     assert ref_logp.shape == (2 + 5,) and not ref_logp.requires_grad

@@ -78,8 +78,16 @@ def test_no_tokens_by_vocab_tensor_exists():
 
 
 def tiny(tie: bool) -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=40, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie)
+    config = Qwen2Config(
+        vocab_size=40,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).float()
 
@@ -135,7 +143,8 @@ def test_gradient_checkpointing_recomputes_with_packed_kwargs():
         model.train()
         seen: list[bool] = []
         model.model.layers[0].self_attn.register_forward_pre_hook(
-            lambda mod, args, kwargs, seen=seen: seen.append(kwargs.get("cu_seq_lens_q") is not None), with_kwargs=True)
+            lambda mod, args, kwargs, seen=seen: seen.append(kwargs.get("cu_seq_lens_q") is not None), with_kwargs=True
+        )
         logp, _ = score_tokens(model, head, packed, 1.0, chunk=8, entropy=False, device=torch.device("cpu"))
         logp.sum().backward()
         calls[ckpt], grads[ckpt] = seen, {n: p.grad.clone() for n, p in model.named_parameters()}

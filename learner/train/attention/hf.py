@@ -34,8 +34,14 @@ def _scale(query: torch.Tensor, scaling: float | None) -> float:
 
 
 def varlen_attention_forward(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query [B, H, L, D], key/value [B, Hkv, L, D] -> ([B, L, H, D], None)."""
     assert attention_mask is None, f"{VARLEN} has no mask function, so transformers must not build a mask"
@@ -51,8 +57,14 @@ def varlen_attention_forward(
 
 
 def ring_attention_forward(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
 ) -> tuple[torch.Tensor, None]:
     assert attention_mask is None, f"{RING} has no mask function, so transformers must not build a mask"
     if dropout > 0:

@@ -113,8 +113,9 @@ class Blocks(Protocol):
         """Accumulated out (see forward) -> model layout [1, n, H, D]."""
         ...
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rects: list[Rect],
-                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rects: list[Rect], causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Query rows [0, hi) against one key chunk -> (out [..., hi, D], lse [..., hi]) in the accumulation dtype."""
         ...
 
@@ -122,9 +123,20 @@ class Blocks(Protocol):
         """What backward gets as `out`: the accumulated out or the returned result (out in q's dtype)."""
         ...
 
-    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-                 lse: torch.Tensor, rects: list[Rect], causal: bool, dq: torch.Tensor, dk: torch.Tensor,
-                 dv: torch.Tensor) -> None:
+    def backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        dout: torch.Tensor,
+        lse: torch.Tensor,
+        rects: list[Rect],
+        causal: bool,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+    ) -> None:
         """Adds the block's share to dq (this rank's queries) and dk/dv (the accumulators travelling with k/v)."""
         ...
 
@@ -137,8 +149,11 @@ class MatmulBlocks:
 
     def enter(self, q, k, v):
         kv_heads, n, d = k.shape[1], q.shape[2], q.shape[3]
-        return (q.reshape(kv_heads, q.shape[1] // kv_heads, n, d), k.reshape(kv_heads, 1, n, d).contiguous(),
-                v.reshape(kv_heads, 1, n, d).contiguous())
+        return (
+            q.reshape(kv_heads, q.shape[1] // kv_heads, n, d),
+            k.reshape(kv_heads, 1, n, d).contiguous(),
+            v.reshape(kv_heads, 1, n, d).contiguous(),
+        )
 
     def leave(self, out):
         kv_heads, group, n, d = out.shape
@@ -203,14 +218,14 @@ class FlashBlocks:
                 torch.tensor(cu_q, dtype=torch.int32, device=device),
                 torch.tensor(cu_k, dtype=torch.int32, device=device),
                 max(b - a for a, b in zip(cu_q, cu_q[1:], strict=False)),
-                max(b - a for a, b in zip(cu_k, cu_k[1:], strict=False)))
+                max(b - a for a, b in zip(cu_k, cu_k[1:], strict=False)),
+            )
         return self.cu_cache[key]
 
     def forward(self, q, k, v, rects, causal):
         cu_q, cu_k, max_q, max_k = self._segments(rects, q.device)
         hi, k0, k1 = rects[-1][1], rects[0][2], rects[-1][3]
-        out, lse = self.fwd(q[:hi], k[k0:k1], v[k0:k1], cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-                            scale=self.scale)[:2]
+        out, lse = self.fwd(q[:hi], k[k0:k1], v[k0:k1], cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=self.scale)[:2]
         acc = _acc_dtype(q)
         return out.transpose(0, 1).to(acc), lse.to(acc)
 
@@ -223,8 +238,22 @@ class FlashBlocks:
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # read only with dropout
         unused = torch.empty(0, device=q.device)
         dq_b, dk_b, dv_b = self.bwd(
-            dout.transpose(0, 1)[:hi], q[:hi], k[k0:k1], v[k0:k1], out.transpose(0, 1)[:hi],
-            lse[:, :hi].contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=self.scale)
+            dout.transpose(0, 1)[:hi],
+            q[:hi],
+            k[k0:k1],
+            v[k0:k1],
+            out.transpose(0, 1)[:hi],
+            lse[:, :hi].contiguous(),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            causal,
+            rng_state,
+            unused,
+            scale=self.scale,
+        )
         dq[:hi] += dq_b
         dk[k0:k1] += dk_b
         dv[k0:k1] += dv_b
@@ -234,10 +263,8 @@ def _exchange(tensors: list[torch.Tensor], group: dist.ProcessGroup, rank: int, 
     """Send `tensors` to rank + 1 and receive the same shapes from rank - 1; returns (received, pending requests)."""
     received = [torch.empty_like(t) for t in tensors]
     assert all(t.is_contiguous() for t in tensors), "a send buffer must be contiguous (a copy could be freed in flight)"
-    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size, tag=i)
-           for i, t in enumerate(tensors)]
-    ops += [dist.P2POp(dist.irecv, b, group=group, group_peer=(rank - 1) % size, tag=i)
-            for i, b in enumerate(received)]
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size, tag=i) for i, t in enumerate(tensors)]
+    ops += [dist.P2POp(dist.irecv, b, group=group, group_peer=(rank - 1) % size, tag=i) for i, b in enumerate(received)]
     return received, dist.batch_isend_irecv(ops)
 
 
@@ -267,8 +294,9 @@ class RingAttention(torch.autograd.Function):
                     assert out is not None and lse is not None
                     hi = blk_lse.shape[-1]
                     new = torch.logaddexp(lse[..., :hi], blk_lse)
-                    out[..., :hi, :] = (out[..., :hi, :] * torch.exp(lse[..., :hi] - new)[..., None]
-                                        + blk_out * torch.exp(blk_lse - new)[..., None])
+                    out[..., :hi, :] = (
+                        out[..., :hi, :] * torch.exp(lse[..., :hi] - new)[..., None] + blk_out * torch.exp(blk_lse - new)[..., None]
+                    )
                     lse[..., :hi] = new
             if t < size - 1:
                 _wait(reqs)
@@ -305,8 +333,7 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None
 
 
-def ring_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext,
-                          blocks: Blocks) -> torch.Tensor:
+def ring_blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext, blocks: Blocks) -> torch.Tensor:
     """q [1, H, n, D], k/v [1, Hkv, n, D]: this rank's chunk -> [1, n, H, D], each block computed by `blocks`."""
     return blocks.leave(RingAttention.apply(*blocks.enter(q, k, v), ring, blocks))
 
@@ -316,11 +343,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     if q.is_cuda and llama3_flash_attn_varlen_func is not None:
         if ring.flash_args is None:
             ring.flash_args = llama3_flash_attn_prepare_cu_seqlens(
-                ring.cu_seqlens.to(q.device), causal=True, rank=ring.rank, world_size=ring.size)
+                ring.cu_seqlens.to(q.device), causal=True, rank=ring.rank, world_size=ring.size
+            )
         cu_q, cu_k, max_q, max_k, k_slice = ring.flash_args
         out = llama3_flash_attn_varlen_func(
-            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,
-            heads_k_stride=1, local_k_slice=k_slice, softmax_scale=scale, causal=True, group=ring.group)
+            q[0].transpose(0, 1),
+            k[0].transpose(0, 1),
+            v[0].transpose(0, 1),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            heads_k_stride=1,
+            local_k_slice=k_slice,
+            softmax_scale=scale,
+            causal=True,
+            group=ring.group,
+        )
         return out[None]
     # flash kernels take half precision only; fp32 on CUDA runs the dense blocks
     flash = q.is_cuda and q.dtype in HALF

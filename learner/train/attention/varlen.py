@@ -102,8 +102,7 @@ def choose_kernel(device_type: str, dtype: torch.dtype, dropout: bool, *, flash_
 @functools.cache
 def kernel_for(device_type: str, dtype: torch.dtype, dropout: bool) -> Kernel:
     """`choose_kernel` with what this process has installed, decided once per (device type, dtype, dropout)."""
-    return choose_kernel(device_type, dtype, dropout, flash_attn=flash_attn_varlen_func is not None,
-                         torch_varlen=TORCH_VARLEN is not None)
+    return choose_kernel(device_type, dtype, dropout, flash_attn=flash_attn_varlen_func is not None, torch_varlen=TORCH_VARLEN is not None)
 
 
 def disable_cudnn_sdpa() -> None:
@@ -117,20 +116,27 @@ def no_cudnn(device: torch.device) -> contextlib.AbstractContextManager:
     return sdpa_kernel(NO_CUDNN, set_priority=True) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                           dropout: float = 0.0) -> torch.Tensor:
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout: float = 0.0) -> torch.Tensor:
     """q [B, H, L, D], k/v [B, Hkv, L, D]: each row one causal sequence -> [B, L, H, D]."""
     with no_cudnn(q.device):
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
 
 def _flash_attn(q, k, v, cu_seqlens, max_seqlen, scale, dropout):
     assert flash_attn_varlen_func is not None
     out = flash_attn_varlen_func(
-        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_seqlens, cu_seqlens,
-        max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scale, causal=True)
+        q[0].transpose(0, 1),
+        k[0].transpose(0, 1),
+        v[0].transpose(0, 1),
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p=dropout,
+        softmax_scale=scale,
+        causal=True,
+    )
     return out[None]
 
 
@@ -138,8 +144,16 @@ def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scale, dropout):
     assert varlen_attn is not None and TORCH_VARLEN is not None and dropout == 0.0
     # newer torch picks varlen_attn's backend from SDPA's switches, and may prefer cuDNN where it can run
     with no_cudnn(q.device):
-        out = varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_seqlens, cu_seqlens,
-                          max_seqlen, max_seqlen, **TORCH_VARLEN.kwargs(scale, q.shape[1] != k.shape[1]))
+        out = varlen_attn(
+            q[0].transpose(0, 1),
+            k[0].transpose(0, 1),
+            v[0].transpose(0, 1),
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            **TORCH_VARLEN.kwargs(scale, q.shape[1] != k.shape[1]),
+        )
     return out[None]
 
 
@@ -150,21 +164,28 @@ def _per_sample(q, k, v, cu_seqlens, max_seqlen, scale, dropout):
     with no_cudnn(q.device):
         parts = [
             F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa)
-            for qs, ks, vs in zip(q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2),
-                                  strict=True)
+            for qs, ks, vs in zip(q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2), strict=True)
         ]
     return torch.cat(parts, dim=2).transpose(1, 2)
 
 
 # every kernel: (q [1, H, N, D], k/v [1, Hkv, N, D], cu_seqlens, max_seqlen, scale, dropout) -> [1, N, H, D]
 KERNELS: dict[Kernel, Callable[..., torch.Tensor]] = {
-    "flash_attn": _flash_attn, "torch_varlen": _torch_varlen, "sdpa_no_cudnn": _per_sample, "sdpa_split": _per_sample,
+    "flash_attn": _flash_attn,
+    "torch_varlen": _torch_varlen,
+    "sdpa_no_cudnn": _per_sample,
+    "sdpa_split": _per_sample,
 }
 
 
 def varlen_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-    scale: float, dropout: float = 0.0,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """q [1, H, N, D], k/v [1, Hkv, N, D] (H a multiple of Hkv) -> [1, N, H, D]; causal within each sample only."""
     kernel = kernel_for(q.device.type, q.dtype, dropout > 0)

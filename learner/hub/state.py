@@ -219,7 +219,12 @@ class HubState:
                 refusal=Refusal("ahead", f"group of version {msg.version_min} is newer than the learner's {self.version}"),
             )
         if not self.ledger.may_deliver(group_key, msg.actor_id):
-            return self._refuse(identity, state, msg.actor_id, group_key, now, Refusal("grant", f"not granted to {msg.actor_id!r}"))
+            # A prompt of no opened epoch was granted to nobody: the actor's fault. A real prompt may be an honest
+            # actor's late result whose lapsed grant went to another and came back (stale, aborted): no strike.
+            fault = group_key not in self.ledger.entries
+            return self._refuse(
+                identity, state, msg.actor_id, group_key, now, Refusal("grant", f"not granted to {msg.actor_id!r}"), strike=fault
+            )
         if n != expected:
             return self._refuse(
                 identity, state, msg.actor_id, group_key, now, Refusal("size", f"group has {n} samples, expected {expected}")
@@ -227,7 +232,9 @@ class HubState:
         if self.ledger.entries[group_key].state in (State.GRANTED, State.PENDING):  # duplicates are dropped unread
             refusal = check_group(msg, self.prompts[msg.prompt_id].tokens, self.limits)
             if refusal is not None:
-                return self._refuse(identity, state, msg.actor_id, group_key, now, refusal)
+                # The reward is the run's reward function, the same on every actor: out of bounds, it is the
+                # operator's to fix (logged), not an actor to shut out, which would shut out the whole fleet.
+                return self._refuse(identity, state, msg.actor_id, group_key, now, refusal, strike=refusal.reason != "reward")
         state.held.discard(group_key)
         if self.ledger.receive(group_key):
             state.groups += 1
@@ -297,8 +304,9 @@ class HubState:
         self.counters[f"rejected_{refusal.reason}"] += 1
         self._take_back(state, actor_id, key)
         out = [_error(identity, "rejected", f"group for prompt {key[1]} (epoch {key[0]}) refused, {refusal.reason}: {refusal.detail}")]
-        if strike:
+        if strike or refusal.reason == "reward":
             self.log.warning("hub.group_rejected", actor=actor_id, key=key, reason=refusal.reason, detail=refusal.detail[:MAX_DETAIL])
+        if strike:
             strikes = self.quarantine.strike(actor_id, now)
             if strikes is not None:
                 self.quarantine.add(actor_id, identity, now)

@@ -490,19 +490,26 @@ class WeightSender:
             a: [joined_key(att.epoch, r) for r in range(plan.first[k], plan.first[k] + plan.counts[k])] for k, a in enumerate(att.members)
         }  # one per rank: each engine worker joins on its own
         every = [key for ks in keys.values() for key in ks]
-        with self._lock:
-            by = {a: self._join_by.setdefault((a, att.gens[a]), att.joins_by) for a in att.members}
+        with self._lock:  # a registration that has ended since the attempt began gets no entry (none would drop it)
+            by = {
+                a: self._join_by.setdefault((a, att.gens[a]), att.joins_by) if self._gens[a] == att.gens[a] else att.joins_by
+                for a in att.members
+            }
 
-        def forget_joined() -> None:  # a member that set its key has shown it can join: its next attempt starts afresh
+        def settle(carry: bool) -> None:
+            """A member that set its key has shown it can join: its next attempt starts afresh. One that has not keeps
+            its deadline only when `carry` (a catch-up cut short by the next update); any other end starts it afresh."""
+            joined = {a for a, ks in keys.items() if self.control.check(ks)}  # store round trips, outside the lock
             with self._lock:
-                for a, ks in keys.items():
-                    if self.control.check(ks):
+                for a in att.members:
+                    if a in joined or not carry:
                         self._join_by.pop((a, att.gens[a]), None)
 
         while not self.control.check(every):
             now = time.monotonic()
             late = [a for a, ks in keys.items() if now > by[a] and not self.control.check(ks)]
             if late:  # checked before a cut-short: the deadline counts across attempts
+                settle(carry=False)
                 missed = f"did not join a weight group epoch within weights.join_timeout_s = {self.cfg.join_timeout_s} s"
                 with self._lock:  # only the registration it was sent to: one that came back since is not to blame
                     stale = [a for a in late if self._gens[a] == att.gens[a]]
@@ -510,10 +517,10 @@ class WeightSender:
                     self._hub.evict(a, missed)
                 raise Aborted(f"{late} {missed} (epoch {att.epoch})")
             if (why := self._why_abort(att)) is not None:
-                forget_joined()
+                settle(carry=att.catchup and self._stop.is_set() and self._abort_why is None)
                 raise Aborted(why)
             time.sleep(JOIN_POLL_S)
-        forget_joined()
+        settle(carry=False)
 
     def _connect(self, att: Attempt) -> dist.ProcessGroup:
         """Build the epoch's group (every member said it joined) by att.joins_by. A group that does not connect

@@ -147,9 +147,9 @@ def test_refusals_outside_the_window_do_not_add_up(prompts):
     for t in (0.0, 20.0, 40.0):
         (g,) = grant(state, now=t)
         bad = group_for(g)
-        bad.rewards[0] = 1e9
+        bad.completion_tokens[0] = VOCAB
         assert [e.code for e in errors(state.handle(A, bad, t + 1))] == ["rejected"]
-    assert "a0" in state.actors and state.counters["rejected_reward"] == 3
+    assert "a0" in state.actors and state.counters["rejected_token"] == 3
     # A version newer than the learner's follows a learner restart: no fault of the actor, no strike.
     (g,) = grant(state, now=50.0)
     ahead = group_for(g)
@@ -157,6 +157,27 @@ def test_refusals_outside_the_window_do_not_add_up(prompts):
     for t in (51.0, 52.0):
         state.handle(A, ahead, t)
     assert "a0" in state.actors and state.counters["rejected_ahead"] == 2
+
+
+def test_refusals_that_are_not_the_actors_fault_never_quarantine_it(prompts):
+    """A reward beyond rollout.reward_bound comes from the run's own reward function, the same on every actor:
+    striking it would shut the whole fleet out. A group for a real prompt not granted to it may be an honest late
+    result whose lapsed grant went elsewhere and came back. A prompt of no opened epoch is the actor's doing."""
+    state = hub(prompts, "hub.quarantine_after=1")
+    for t in (1.0, 2.0, 3.0):
+        (g,) = grant(state, now=t)
+        bad = group_for(g)
+        bad.rewards[0] = 1e9
+        assert [e.code for e in errors(state.handle(A, bad, t))] == ["rejected"]
+    assert "a0" in state.actors and state.counters["rejected_reward"] == 3
+    pending = state.ledger.next_pending()  # a real prompt, granted to nobody now
+    state.ledger.queue.appendleft(pending)
+    late = rollout_group(n=3, prompt_id=pending[1], epoch=pending[0])
+    assert [e.code for e in errors(state.handle(A, late, 4.0))] == ["rejected"]
+    assert "a0" in state.actors and state.counters["rejected_grant"] == 1
+    invented = rollout_group(n=3, prompt_id=0, epoch=999)
+    assert [e.code for e in errors(state.handle(A, invented, 5.0))] == ["rejected", "quarantined"]
+    assert "a0" not in state.actors
 
 
 # ---- the learner's second line: check_batch on rank 0, before the scatter ----------------------------------

@@ -4,6 +4,7 @@ actor evaluating the held-out prompts greedily every 3 steps and Hugging Face ch
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -70,7 +71,8 @@ def test_short_run_trains_and_advances_versions(tmp_path, tiny_model_dir):
     for x in samples:
         assert x["prompt"].endswith("=") and len(x["completions"]) == n
         for c in x["completions"]:
-            assert c["reward"] == float(c["text"].removesuffix("<eos>").strip() == x["answer"]), x
+            # The learner writes special tokens as text; the reward saw vLLM's text, without them (a sampled <pad>)
+            assert c["reward"] == float(re.sub(r"<(pad|eos|bos)>", "", c["text"]).strip() == x["answer"]), x
             assert c["finish_reason"] == ("stop" if c["text"].endswith("<eos>") else "length") and 1 <= c["tokens"] <= 4
     actor_log = [json.loads(x) for x in (run_dir / "logs" / "actor-actor0.jsonl").read_text().splitlines()]
     assert any(e["event"] == "actor.registered" for e in actor_log) and all(e["actor_id"] == "actor0" for e in actor_log)

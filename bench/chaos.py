@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from actors.lifeline import descendants
 from bench.fleet import Fleet, exit_on_sigterm, when
 from deploy.ctl import set_setting
 from deploy.launch import demo_model
@@ -81,31 +82,6 @@ def marked(token: str) -> dict[int, str]:
         except OSError:  # gone, or not ours
             continue
     return {pid: cmd for pid, cmd in out.items() if cmd}  # zombies have no command line
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                ppid = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def rss_kib(pid: int) -> int:
@@ -290,7 +266,8 @@ class Chaos:
         os.kill(proc.pid, signal.SIGKILL)  # the actor alone: its engine processes must not outlive it
         proc.wait(timeout=30)
         time.sleep(ORPHAN_WAIT_S)
-        self.orphans += [f"{name}: pid {pid}" for pid in sorted(children) if alive(pid)]
+        still = marked(self.token)  # every process of the run carries the marker, orphans included (zombies excluded)
+        self.orphans += [f"{name}: pid {pid}" for pid in sorted(children) if pid in still]
         self.start_actor(name)
 
     def actor_attach(self) -> None:

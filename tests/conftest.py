@@ -119,3 +119,21 @@ def start_hub():
     yield start
     for hub in hubs:
         hub.stop()
+
+
+def torchrun_driver(driver: str, nproc: int, out: Path, *args: str, accelerator: str = "cpu", timeout: float = 600) -> dict:
+    """Run tests/drivers/`driver` as `nproc` learner ranks under torchrun (a free rendezvous port) and return the
+    JSON it wrote to `out`; a failed run fails the test with the end of its stderr."""
+    import json
+    import subprocess
+
+    from protocol.net import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+           str(ROOT / "tests" / "drivers" / driver), *args]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": accelerator, "HF_HUB_OFFLINE": "1"}
+    if accelerator == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())

@@ -4,15 +4,10 @@ on the demo's tiny model; skipped where there is no GPU (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from protocol.net import free_port
+from conftest import torchrun_driver
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,24 +27,7 @@ BUDGET = ("train.max_tokens_per_micro_batch=12", "actor.max_model_len=10", "trai
 
 def run_gpu(model_dir: Path, tmp_path: Path, name: str, *overrides: str) -> dict:
     out = tmp_path / f"{name}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "1",
-        "--master-port",
-        str(free_port()),
-        str(ROOT / "tests" / "drivers" / "train_steps.py"),
-        str(model_dir),
-        str(out),
-        *SETTINGS,
-        *overrides,
-    ]
-    env = {**os.environ, "DS_ACCELERATOR": "cuda", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return torchrun_driver("train_steps.py", 1, out, str(model_dir), str(out), *SETTINGS, *overrides, accelerator="cuda")
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,10 @@ norms (which catch a wrong loss scale that Adam would hide) and the final weight
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from protocol.net import free_port
+from conftest import torchrun_driver
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = [
@@ -31,25 +26,8 @@ SETTINGS = [
 
 def run_ranks(model_dir: str, nproc: int, tmp_path: Path, *overrides: str) -> dict:
     out = tmp_path / f"out-{nproc}.json"
-    overrides = (*overrides, f"cluster.learner_gpus_per_node={nproc}")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(free_port()),
-        str(ROOT / "tests" / "drivers" / "train_steps.py"),
-        model_dir,
-        str(out),
-        *SETTINGS,
-        *overrides,
-    ]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    ranks = f"cluster.learner_gpus_per_node={nproc}"
+    return torchrun_driver("train_steps.py", nproc, out, model_dir, str(out), *SETTINGS, *overrides, ranks)
 
 
 @pytest.fixture(scope="module")

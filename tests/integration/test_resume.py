@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import torchrun_driver
 
 from learner.hub.ledger import Ledger, State
 from learner.resume import LearnerState, latest_checkpoint, restore_metrics
@@ -235,35 +236,10 @@ def test_interrupted_checkpoint_write_is_never_resumed_from(tmp_path):
 
 def _run_driver(model_dir: Path, run_dir: Path, mode: str, nproc: int, *overrides: str) -> dict:
     out = run_dir / f"{mode}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(free_port()),
-        str(ROOT / "tests" / "drivers" / "resume_steps.py"),
-        str(model_dir),
-        str(run_dir),
-        str(out),
-        mode,
-        "train.total_steps=4",
-        "checkpoint.every_steps=2",
-        "train.prompts_per_step=4",
-        "rollout.samples_per_prompt=4",
-        "train.micro_batch_samples=4",
-        "train.mini_batches=2",
-        "staleness.max_staleness=1",
-        "train.lr=1e-3",
-        "train.warmup_steps=20",
-        f"cluster.learner_gpus_per_node={nproc}",
-        *overrides,
-    ]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    settings = ("train.total_steps=4", "checkpoint.every_steps=2", "train.prompts_per_step=4", "rollout.samples_per_prompt=4",
+                "train.micro_batch_samples=4", "train.mini_batches=2", "staleness.max_staleness=1", "train.lr=1e-3",
+                "train.warmup_steps=20", f"cluster.learner_gpus_per_node={nproc}")  # fmt: skip
+    return torchrun_driver("resume_steps.py", nproc, out, str(model_dir), str(run_dir), str(out), mode, *settings, *overrides, timeout=300)
 
 
 @pytest.mark.parametrize(

@@ -261,7 +261,7 @@ def _run_root(
             # Weights that did not move (every step skipped) are not sent again; the followers skip their part too.
             sync = sender.sync(version, hub, snapshot) if stats.applied_steps else {"time/weight_sync": 0.0}
             step_s = time.perf_counter() - t0
-            hub.note_update(step_s, t_sync, sync["time/weight_sync"], sync.get("time/broadcast"))
+            hub.note_update(step_s, t_sync if stats.applied_steps else None, sync["time/weight_sync"], sync.get("time/broadcast"))
             last = updates >= total_updates
             # Blocks until the actors answer (time/eval, not in time/step); no newer weights go out meanwhile,
             # so `version` is what they serve.

@@ -184,7 +184,7 @@ class Hub:
         self._kick()
         return old
 
-    def note_update(self, step_s: float, sync_started: float, sync_s: float, broadcast_s: float | None) -> None:
+    def note_update(self, step_s: float, sync_started: float | None, sync_s: float, broadcast_s: float | None) -> None:
         """The training thread's timings of the update it just finished, for `fleetrl status`."""
         with self.cond:
             self.state.note_update(step_s, sync_started, sync_s, broadcast_s)

@@ -501,11 +501,15 @@ class HubState:
         self.log.info("hub.max_staleness_changed", old=old, new=k, version=self.version, source=source)
         return old
 
-    def note_update(self, step_s: float, sync_started: float, sync_s: float, broadcast_s: float | None) -> None:
+    def note_update(self, step_s: float, sync_started: float | None, sync_s: float, broadcast_s: float | None) -> None:
         """The training thread's timings of the update it just finished. `sync_started` is time.monotonic() at the
-        start of the weight sync; `broadcast_s` the duration of the last finished broadcast, None when there was none."""
+        start of the weight sync, None when there was none (every step skipped: nothing moved, nothing was sent);
+        `broadcast_s` the duration of the last finished broadcast, None when there was none."""
         t = self.times
-        t.updates, t.step_s, t.syncs, t.sync_started, t.sync_s = t.updates + 1, step_s, t.syncs + 1, sync_started, sync_s
+        t.updates, t.step_s = t.updates + 1, step_s
+        if sync_started is None:
+            return
+        t.syncs, t.sync_started, t.sync_s = t.syncs + 1, sync_started, sync_s
         if broadcast_s is not None:
             t.broadcast_s = broadcast_s
 

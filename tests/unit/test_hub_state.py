@@ -201,6 +201,15 @@ def test_restore_continues_the_ledger_and_refuses_other_data(prompts):
         other.restore(saved, version=5)
 
 
+def test_an_update_without_a_sync_is_not_counted_as_one(prompts):
+    """Every step skipped: nothing moved and nothing was sent, so `fleetrl status` must not show a sync."""
+    state = hub(prompts)
+    state.note_update(1.0, 10.0, 0.2, 0.05)
+    state.note_update(1.5, None, 0.0, None)
+    t = state.times
+    assert (t.updates, t.syncs, t.sync_started, t.sync_s, t.broadcast_s, t.step_s) == (2, 1, 10.0, 0.2, 0.05, 1.5)
+
+
 def test_a_message_not_for_the_hub_is_a_protocol_error(prompts):
     state = hub(prompts)
     (out,) = state.handle(A, m.Shutdown(reason="x"), 0.0)

@@ -50,6 +50,17 @@ _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", 
 
 
 @pytest.fixture(autouse=True)
+def _no_log_context_leaks():
+    """The log context (role, actor_id, policy_version) is process-wide: what one test sets, the next must not see."""
+    from protocol import logs
+
+    before = dict(logs._CONTEXT)
+    yield
+    logs._CONTEXT.clear()
+    logs._CONTEXT.update(before)
+
+
+@pytest.fixture(autouse=True)
 def _no_rendezvous_leaks():
     before = {k: os.environ.get(k) for k in _RENDEZVOUS}
     yield

@@ -179,6 +179,7 @@ def _run_root(
     samples = SampleWriter(run_dir, cfg.log.samples_every_steps, cfg.log.samples_groups, tokenizer, prompts)
     metrics.rows.extend(kept_rows)  # the plot covers the whole run
     evaluator = Evaluator(cfg, data.eval_sets(), hub)
+    part_names: set[str] = set()  # the reward part names reported so far (learner/rollout_stats.py bounds them)
     # Checkpoints: from the model on rank 0, or under ZeRO-3 from the weight snapshot rank 0 already holds.
     hf = hf_writer(trainer.engine.module, tokenizer, sender.state_dict)
 
@@ -268,7 +269,7 @@ def _run_root(
             evals = evaluator.run(version, updates, last, should_stop=lambda: stop["flag"])
             stale = [start - g.version_min for g in groups]
             reward_mean = float(np.mean([g.rewards.mean() for g in groups]))
-            rollout = rollout_metrics(groups, [item.group for item in filtered])
+            rollout = rollout_metrics(groups, [item.group for item in filtered], part_names)
             row = {
                 "step": updates,
                 "policy_version": version,

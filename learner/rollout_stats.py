@@ -4,7 +4,9 @@ response/length_mean, response/length_max   completion tokens, over every comple
 response/truncation_rate                    share of completions that ran into rollout.max_tokens
                                             (finish reason "length": cut off, not finished)
 reward/part/<name>                          mean of each named reward part, over the completions whose group
-                                            carries it (a group carries every part any of its completions returned)
+                                            carries it (a group carries every part any of its completions returned);
+                                            the run's first MAX_RUN_PART_NAMES names only, so that no actor can
+                                            mint metric keys without bound (the hub bounds them per group)
 reward/errors                               completions whose reward function raised or timed out (scored 0),
                                             over every group received for the step, filtered ones included: a
                                             failing reward scores a whole group 0, and algo.filter_equal_rewards
@@ -18,11 +20,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from protocol.messages import RolloutGroup
+from protocol.messages import MAX_REWARD_PARTS, RolloutGroup
+
+MAX_RUN_PART_NAMES = 4 * MAX_REWARD_PARTS  # reward part names one run reports (a mix of datasets each with its own)
 
 
-def rollout_metrics(groups: list[RolloutGroup], filtered: Sequence[RolloutGroup] = ()) -> dict[str, float]:
-    """`groups`: the step's trained groups; `filtered`: the ones received with them and dropped (counted for errors)."""
+def rollout_metrics(
+    groups: list[RolloutGroup], filtered: Sequence[RolloutGroup] = (), part_names: set[str] | None = None
+) -> dict[str, float]:
+    """`groups`: the step's trained groups; `filtered`: the ones received with them and dropped (counted for errors).
+    `part_names`: the run's reported part names so far, added to here; a name beyond MAX_RUN_PART_NAMES of them is
+    left out (None: no bound, one step alone)."""
     assert groups, "a step trains at least one group"
     lengths = np.concatenate([g.lengths for g in groups])
     reasons = [r for g in groups for r in g.finish_reasons]
@@ -38,6 +46,10 @@ def rollout_metrics(groups: list[RolloutGroup], filtered: Sequence[RolloutGroup]
             continue
         table = g.reward_parts.reshape(len(g.lengths), len(g.reward_part_names))  # row-major [n, k]
         for j, name in enumerate(g.reward_part_names):
+            if part_names is not None and name not in part_names:
+                if len(part_names) >= MAX_RUN_PART_NAMES:
+                    continue
+                part_names.add(name)
             parts[name].append(table[:, j])
     for name in sorted(parts):
         out[f"reward/part/{name}"] = float(np.concatenate(parts[name]).mean())

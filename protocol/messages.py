@@ -22,6 +22,10 @@ import numpy as np
 PROTOCOL_VERSION = 6
 WEIGHT_BACKENDS = ("nccl", "gloo")  # a weight group's torch.distributed backend; protocol/weights.py picks one per epoch
 MAX_RANKS_PER_ACTOR = 64  # weight-group ranks one registration may claim: a peer cannot grow the group without bound
+FINISH_REASONS = ("stop", "length")  # a trained completion's: it ended (EOS, stop token or string) or ran out of room
+# A group's named reward parts become metrics (reward/part/<name>): bounded so no actor can mint metric keys at will.
+MAX_REWARD_PARTS = 16  # names per group
+MAX_PART_NAME_CHARS = 64
 
 
 class ProtocolError(ValueError):

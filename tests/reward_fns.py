@@ -31,6 +31,10 @@ def behaves(ctx):
         return float("nan")
     if ctx.completion == "text":
         return "1.0"
+    if ctx.completion == "many parts":  # one more part than the wire carries
+        return 1.0, {f"p{i:02d}": 0.0 for i in range(17)}
+    if ctx.completion == "bad part name":
+        return 1.0, {"a\nb": 0.0}
     return 1.0
 
 

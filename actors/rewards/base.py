@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from protocol import messages as m
 from protocol.logs import first_line
 
 
@@ -60,7 +61,9 @@ class Reward:
         """(score, parts), or raises: TypeError/ValueError for a result that is not a finite float (and parts)."""
         out = self.fn(ctx) if self.takes_context else self.fn(ctx.completion, ctx.answer)
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
-            score, parts = _number(out[0], "the score"), {str(k): _number(v, f"part {k!r}") for k, v in out[1].items()}
+            score, parts = _number(out[0], "the score"), {_part_name(k): _number(v, f"part {k!r}") for k, v in out[1].items()}
+            if len(parts) > m.MAX_REWARD_PARTS:
+                raise ValueError(f"returned {len(parts)} reward parts; at most {m.MAX_REWARD_PARTS} (each becomes a metric)")
         elif isinstance(out, numbers.Real):
             score, parts = _number(out, "the score"), {}
         else:
@@ -76,6 +79,13 @@ def _number(x: Any, what: str) -> float:
     if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
         raise ValueError(f"{what} is {value}, not a finite float32")
     return value
+
+
+def _part_name(key: Any) -> str:
+    name = str(key)
+    if not 0 < len(name) <= m.MAX_PART_NAME_CHARS or not name.isprintable():
+        raise ValueError(f"reward part name {name[: m.MAX_PART_NAME_CHARS]!r} must be 1..{m.MAX_PART_NAME_CHARS} printable characters")
+    return name
 
 
 def _arity(name: str, fn: Callable[..., Any]) -> int:
@@ -143,8 +153,9 @@ class GroupScores:
 
 def assemble(outcomes: list[Outcome]) -> GroupScores:
     """Every completion gets every part name seen in its group; a part a completion did not return (or an error)
-    is 0 there."""
-    names = sorted({name for o in outcomes for name in o.parts})
+    is 0 there. Completions that return different names, more than MAX_REWARD_PARTS in all, keep the first
+    MAX_REWARD_PARTS in sorted order (the hub refuses more)."""
+    names = sorted({name for o in outcomes for name in o.parts})[: m.MAX_REWARD_PARTS]
     parts = np.asarray([[o.parts.get(name, 0.0) for name in names] for o in outcomes], dtype=np.float32).reshape(-1)
     errors = [o.error for o in outcomes if o.error is not None]
     return GroupScores(

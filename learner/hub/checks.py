@@ -13,7 +13,12 @@ silently corrupted a learner before it was checked. Reasons (the hub counts each
              CPU, a device-side assert on a GPU, which poisons the CUDA context for good)
     logprob  a behaviour logprob above 0, or below rollout.min_logprob (see there: a sampled token that
              unlikely is, for every practical purpose, never sampled)
-    reward   a reward beyond +-rollout.reward_bound: float32 rewards near 3e38 overflowed the advantages
+    finish   a finish reason other than "stop" or "length" (vLLM's "abort" and "error" end a completion that was
+             never finished: it is not a sample of the policy)
+    reward   a reward, or a named reward part, beyond +-rollout.reward_bound: float32 rewards near 3e38
+             overflowed the advantages
+    parts    reward part names that are not 1..16 distinct names, sorted, of 1..64 printable characters (the
+             actor's own form): each name becomes a metric, reward/part/<name>, so a rogue could mint them at will
 
 The hub adds its own reasons from its state: `grant` (the prompt is not this actor's), `size` (not
 rollout.samples_per_prompt completions), `ahead` (weights this learner never had).
@@ -21,6 +26,7 @@ rollout.samples_per_prompt completions), `ahead` (weights this learner never had
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,9 +82,27 @@ def check_group(group: m.RolloutGroup, granted: np.ndarray, limits: GroupLimits)
             f"behaviour logprobs {float(logprobs.min()):.4g}..{float(logprobs.max()):.4g} outside "
             f"[{limits.min_logprob:g}, 0] (rollout.min_logprob)",
         )
-    rewards = group.rewards
-    if np.abs(rewards).max() > limits.reward_bound:
-        return Refusal(
-            "reward", f"reward {float(rewards[np.abs(rewards).argmax()]):.4g} beyond +-{limits.reward_bound:g} (rollout.reward_bound)"
-        )
+    odd = sorted(set(group.finish_reasons).difference(m.FINISH_REASONS))
+    if odd:
+        return Refusal("finish", f"finish reasons {odd[:3]} are not {' or '.join(m.FINISH_REASONS)}")
+    for what, values in (("reward", group.rewards), ("reward part", group.reward_parts)):
+        if values.size and np.abs(values).max() > limits.reward_bound:
+            worst = float(values[np.abs(values).argmax()])
+            return Refusal("reward", f"{what} {worst:.4g} beyond +-{limits.reward_bound:g} (rollout.reward_bound)")
+    names = group.reward_part_names
+    if names and (problem := part_names_problem(names)) is not None:
+        return Refusal("parts", problem)
+    return None
+
+
+def part_names_problem(names: list[str]) -> str | None:
+    """What is wrong with a group's reward part names, or None: at most MAX_REWARD_PARTS, each of 1 to
+    MAX_PART_NAME_CHARS printable characters, distinct and sorted (as actors/rewards/base.py assembles them)."""
+    if len(names) > m.MAX_REWARD_PARTS:
+        return f"{len(names)} reward part names, at most {m.MAX_REWARD_PARTS}"
+    for name in names:
+        if not 0 < len(name) <= m.MAX_PART_NAME_CHARS or not name.isprintable():
+            return f"reward part name {name[: m.MAX_PART_NAME_CHARS]!r} is not 1..{m.MAX_PART_NAME_CHARS} printable characters"
+    if any(a >= b for a, b in itertools.pairwise(names)):
+        return "reward part names are not distinct and sorted"
     return None

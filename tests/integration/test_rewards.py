@@ -65,6 +65,9 @@ def test_a_failing_reward_is_an_error_outcome_with_its_first_line():
     assert score_one(reward, ctx("raise")) == Outcome(0.0, {}, "RuntimeError: no such key")
     assert score_one(reward, ctx("nan")).error == "ValueError: the score is nan, not a finite float32"
     assert score_one(reward, ctx("text")).error == "TypeError: returned str; expected a float or (float, {name: float})"
+    # Part names become metrics: bounded in number and form (the hub refuses a group that breaks it, reason "parts").
+    assert score_one(reward, ctx("many parts")).error == "ValueError: returned 17 reward parts; at most 16 (each becomes a metric)"
+    assert score_one(reward, ctx("bad part name")).error == "ValueError: reward part name 'a\\nb' must be 1..64 printable characters"
 
 
 def test_group_parts_get_every_name_and_zero_where_missing():
@@ -75,6 +78,8 @@ def test_group_parts_get_every_name_and_zero_where_missing():
     np.testing.assert_array_equal(scores.rewards, np.array([1.0, 0.0, 0.5], np.float32))
     assert scores.errors == 1 and scores.first_error == "TimeoutError: 1 s"
     plain = assemble([Outcome(1.0, {}), Outcome(0.0, {})])
+    spread = assemble([Outcome(1.0, {f"p{i:02d}": 1.0 for i in range(10)}), Outcome(1.0, {f"q{i:02d}": 1.0 for i in range(10)})])
+    assert spread.part_names == [f"p{i:02d}" for i in range(10)] + [f"q{i:02d}" for i in range(6)]  # 16, the most the hub takes
     assert plain.part_names == [] and plain.parts.shape == (0,) and plain.parts.dtype == np.float32
 
 

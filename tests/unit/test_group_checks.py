@@ -4,6 +4,8 @@ still gets through (learner/train/batch.py: check_batch). One test per way an ad
 corrupted a learner before these checks; HubState is driven with an explicit clock, no socket.
 """
 
+import json
+
 import numpy as np
 import pytest
 from conftest import rollout_group
@@ -57,6 +59,16 @@ def long_completion(g):
     g.behaviour_logprobs = np.full(4002, -0.5, np.float32)
 
 
+def with_parts(*names, value=0.5):
+    """The group carries these reward part names (a value for each completion and name)."""
+
+    def edit(g):
+        g.reward_part_names = list(names)
+        g.reward_parts = np.full(len(g.lengths) * len(names), value, np.float32)
+
+    return edit
+
+
 ROWS = {  # what an admitted actor sent -> the check that refuses it (hub/rejected_<reason>)
     "token id >= vocabulary": (lambda g: g.completion_tokens.__setitem__(0, VOCAB), "token"),
     "negative token id": (lambda g: g.completion_tokens.__setitem__(0, -1), "token"),
@@ -64,6 +76,14 @@ ROWS = {  # what an admitted actor sent -> the check that refuses it (hub/reject
     "4000 tokens, limit 64": (long_completion, "length"),
     "empty prompt": (lambda g: setattr(g, "prompt_tokens", np.zeros(0, np.int32)), "prompt"),
     "logprob -200": (lambda g: g.behaviour_logprobs.__setitem__(0, np.float32(-200)), "logprob"),
+    "finish reason abort": (lambda g: g.finish_reasons.__setitem__(2, "abort"), "finish"),
+    "reward part 1e9": (with_parts("format", value=1e9), "reward"),
+    "17 reward part names": (with_parts(*(f"p{i:02d}" for i in range(17))), "parts"),
+    "unsorted part names": (with_parts("b", "a"), "parts"),
+    "repeated part name": (with_parts("a", "a"), "parts"),
+    "part name of 65 characters": (with_parts("x" * 65), "parts"),
+    "part name with a newline": (with_parts("a\nb"), "parts"),
+    "empty part name": (with_parts(""), "parts"),
 }
 
 
@@ -137,6 +157,16 @@ def test_an_actor_that_keeps_sending_bad_groups_is_quarantined(prompts):
     assert err.msg.code == "quarantined" and state.counters["quarantined_messages"] == 2
     # The late result of a grant it lost by quarantine is not its to give any more.
     assert not state.ledger.may_deliver((held[3].epoch, held[3].prompt_id), "a0")
+    # A learner that resumes from a checkpoint taken now goes on refusing it for the time it has left (through JSON,
+    # as state/learner.json keeps it; its own clock starts elsewhere).
+    saved = json.loads(json.dumps(state.export_state(now=50.0)))
+    assert saved["quarantine"] == {"a0": 53.0}
+    resumed = HubState(state.cfg, prompts, now=1000.0, vocab_size=VOCAB)
+    resumed.restore(saved, version=0, now=1000.0)
+    (err,) = resumed.handle(b"conn-d", m.Register(actor_id="a0", host="h", pid=3, served_version=0), 1050.0)
+    assert err.msg.code == "quarantined"
+    (ack,) = resumed.handle(b"conn-d", m.Register(actor_id="a0", host="h", pid=3, served_version=0), 1054.0)
+    assert isinstance(ack.msg, m.RegisterAck)
     state.tick(104.0)
     (ack,) = state.handle(b"conn-c", m.Register(actor_id="a0", host="h", pid=2, served_version=0), 104.0)
     assert isinstance(ack.msg, m.RegisterAck)

@@ -9,7 +9,7 @@ import structlog
 
 from deploy.tiny import build_tokenizer
 from learner.metrics import MetricsWriter, _series
-from learner.rollout_stats import rollout_metrics
+from learner.rollout_stats import MAX_RUN_PART_NAMES, rollout_metrics
 from learner.samples import SampleWriter
 from protocol.logs import format_duration, setup_logging
 from protocol.messages import RolloutGroup
@@ -56,6 +56,20 @@ def test_rollout_metrics():
         "reward/part/format": 1.0,
     }
     assert list(m)[-2:] == ["reward/part/correct", "reward/part/format"]
+
+
+def test_a_run_reports_a_bounded_number_of_part_names():
+    """Each group may carry 16 names, the hub's limit; across a run the first MAX_RUN_PART_NAMES are reported and later
+    names are left out, so actors that vary their names cannot mint metric keys without bound."""
+    seen: set[str] = set()
+    keys: set[str] = set()
+    for step in range(10):
+        names = {f"s{step}p{i:02d}": [1.0] for i in range(16)}
+        keys |= set(rollout_metrics([group([[1]], [1.0], ["stop"], names)], part_names=seen))
+    parts = sorted(k for k in keys if k.startswith("reward/part/"))
+    assert len(parts) == MAX_RUN_PART_NAMES == 64 and parts[0] == "reward/part/s0p00" and parts[-1] == "reward/part/s3p15"
+    again = rollout_metrics([group([[1]], [1.0], ["stop"], {"s0p00": [0.5], "late": [1.0]})], part_names=seen)
+    assert again["reward/part/s0p00"] == 0.5 and "reward/part/late" not in again  # known names keep being reported
 
 
 def test_samples_every_n_steps(tmp_path):

@@ -5,7 +5,8 @@
         state/policy/...                   DeepSpeed engine state: every rank's ZeRO shard of the optimizer, the
                                            LR scheduler, the step count (engine.save_checkpoint: collective)
         state/critic/...                   the critic's engine (algo.advantage = gae)
-        state/learner.json                 rank 0: version, updates, ledger, hub counters, max_staleness, row N
+        state/learner.json                 rank 0: version, updates, ledger, hub counters, max_staleness,
+                                           quarantined actor ids, row N
 
 Saving is collective: rank 0 decides before an update that it ends with a checkpoint and says so in
 the share's header (Share.save_step), so every rank calls save_checkpoint after the same update and
@@ -60,7 +61,7 @@ class LearnerState:
     steps_per_update: int  # S = mini_batches x ppo_epochs
     world: int  # learner ranks that wrote the DeepSpeed shards
     zero_stage: int
-    hub: dict[str, Any]  # Hub.export_state(): ledger, counters, max_staleness
+    hub: dict[str, Any]  # Hub.export_state(): ledger, counters, max_staleness, quarantined ids
     row: dict[str, Any] = field(default_factory=dict)  # metrics row of update N, in case the crash beat its write
 
 

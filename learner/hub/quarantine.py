@@ -8,7 +8,9 @@ queue), answer every further message from its connection, and every Register of 
 connection, with Error "quarantined". A key holder can still come back under a new id on a new
 connection; it starts with no strikes and is quarantined again after as many refused groups, each
 refused and none trained. Revoking its CURVE key (docs/security.md) shuts it out for good.
-The lists live in the hub's memory: a learner restart forgets them. No clock here: the caller passes `now`.
+A checkpoint keeps the quarantined ids with the time each has left (export/restore): a learner that resumes
+goes on refusing them. Strikes and connections are not kept (a restarted hub's connections are new). No clock
+here: the caller passes `now`.
 """
 
 from __future__ import annotations
@@ -50,3 +52,10 @@ class Quarantine:
         self._ids = {a: t for a, t in self._ids.items() if t > now}
         self._identities = {i: t for i, t in self._identities.items() if t > now}
         self._strikes = {a: t for a, t in self._strikes.items() if t[-1] > now - self.window_s}
+
+    def export(self, now: float) -> dict[str, float]:
+        """Quarantined actor id -> seconds it has left (clocks do not survive a restart; durations do)."""
+        return {a: round(t - now, 3) for a, t in self._ids.items() if t > now}
+
+    def restore(self, left: dict[str, float], now: float) -> None:
+        self._ids.update({a: now + float(s) for a, s in left.items() if float(s) > 0})

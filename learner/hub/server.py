@@ -229,13 +229,13 @@ class Hub:
     def export_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the hub (learner/resume.py)."""
         with self.cond:
-            return self.state.export_state()
+            return self.state.export_state(time.monotonic())
 
     def restore(self, state: dict[str, Any], version: int) -> None:
         """Before start(): continue from a checkpoint taken at `version`."""
         assert not self._thread.is_alive(), "restore before the hub starts"
         with self.cond:
-            self.state.restore(state, version)
+            self.state.restore(state, version, time.monotonic())
 
     # ---- hub thread ---------------------------------------------------------------------------
     def _run(self) -> None:

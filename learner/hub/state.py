@@ -524,11 +524,16 @@ class HubState:
         return out
 
     # ---- learner restart (learner/resume.py) ------------------------------------------------------
-    def export_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the hub: the ledger, the counters, the bound in force."""
-        return {"ledger": self.ledger.state_dict(), "counters": dict(self.counters), "max_staleness": self.max_staleness}
+    def export_state(self, now: float) -> dict[str, Any]:
+        """What a checkpoint keeps of the hub: the ledger, the counters, the bound in force, the quarantined ids."""
+        return {
+            "ledger": self.ledger.state_dict(),
+            "counters": dict(self.counters),
+            "max_staleness": self.max_staleness,
+            "quarantine": self.quarantine.export(now),
+        }
 
-    def restore(self, state: dict[str, Any], version: int) -> None:
+    def restore(self, state: dict[str, Any], version: int, now: float) -> None:
         """Continue from a checkpoint taken at `version`."""
         ledger = Ledger.from_state(state["ledger"], self.cfg.data.epochs)
         if ledger.num_prompts != len(self.prompts):
@@ -543,3 +548,4 @@ class HubState:
             self.log.info("hub.max_staleness_restored", config=self.max_staleness, checkpoint=k)
         self.ledger, self.version, self.max_staleness, self.batch_max_staleness = ledger, version, k, k
         self.counters = Counter(state["counters"])
+        self.quarantine.restore(state.get("quarantine", {}), now)  # checkpoints from before it was kept have none

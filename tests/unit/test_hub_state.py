@@ -190,15 +190,15 @@ def test_restore_continues_the_ledger_and_refuses_other_data(prompts):
     state = hub(prompts)
     register(state)
     state.handle(A, m.WorkRequest(actor_id="a0", max_prompts=2), 0.0)
-    saved = state.export_state()
+    saved = state.export_state(0.0)
     again = hub(prompts)
-    again.restore(saved, version=5)
+    again.restore(saved, version=5, now=0.0)
     assert again.version == 5 and again.ledger.state_counts()["pending"] == 40  # what was out comes back first
     assert again.ledger.counts["requeued_resume"] == 2
     assert {again.ledger.next_pending(), again.ledger.next_pending()} == state.actors["a0"].held
     other = HubState(state.cfg, PromptSet(addition_items()[:10], build_tokenizer()), now=0.0)
     with pytest.raises(ValueError, match="the checkpoint's ledger has 40 prompts"):
-        other.restore(saved, version=5)
+        other.restore(saved, version=5, now=0.0)
 
 
 def test_an_update_without_a_sync_is_not_counted_as_one(prompts):

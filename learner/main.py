@@ -150,6 +150,7 @@ def _run_root(
     hub = Hub(cfg, prompts, control_file=run_dir / "control.toml", vocab_size=trainer.vocab_size)
     version, updates = 0, 0
     skipped_steps, refused_batches = 0, 0  # optimizer steps that failed (learner/train/step_check.py), batches refused
+    critic_skipped = 0  # the GAE critic's failed steps (its weights stayed as they were)
     kept_rows: list[dict] = []
     last_row: dict = {}  # the newest metrics row, kept in the checkpoint's learner state
     if checkpoint is not None:  # before hub.start(): no actor sees the hub before it holds the restored ledger
@@ -157,6 +158,7 @@ def _run_root(
         hub.restore(state.hub, state.version)
         version, updates, last_row = state.version, state.updates, state.row
         skipped_steps, refused_batches = int(last_row.get("train/skipped_steps", 0)), int(last_row.get("train/refused_batches", 0))
+        critic_skipped = int(last_row.get("train/critic_skipped_steps", 0))
         kept_rows = restore_metrics(run_dir, state)
         discard_newer(run_dir, updates)
         set_context(policy_version=version)
@@ -257,6 +259,9 @@ def _run_root(
             start, updates = version, updates + 1
             version = settle_update(hub, batch + filtered, start, stats.applied_steps, stats.failed_steps, log)
             skipped_steps += len(stats.failed_steps)
+            if stats.critic_failed_steps:
+                critic_skipped += len(stats.critic_failed_steps)
+                log.warning("learner.critic_step_skipped", steps=stats.critic_failed_steps, update=updates)
             set_context(policy_version=version)
             t_sync = time.monotonic()
             # Weights that did not move (every step skipped) are not sent again; the followers skip their part too.
@@ -292,6 +297,7 @@ def _run_root(
                 "max_staleness": k,
                 "groups_filtered": len(filtered),
                 "train/skipped_steps": skipped_steps,
+                **({"train/critic_skipped_steps": critic_skipped} if trainer.critic is not None else {}),
                 "train/refused_batches": refused_batches,
                 "batch/actors": len({g.actor_id for g in groups}),
                 **rollout,

@@ -13,6 +13,10 @@ skip flag and the norm are global in DeepSpeed, and the loss flags are all-reduc
 A failed step that DeepSpeed applied anyway is one whose gradients it did not check (ZeRO stage 0 in
 float32): the weights may now hold NaN, so settle() raises NonFiniteStep and the learner stops; resume
 from the last checkpoint.
+
+The GAE critic has its own engine and its own watch: a critic step that failed leaves the critic as it was
+(counted, train/critic_skipped_steps) and does not touch the policy's outcome; one applied with NaN would
+make every later advantage NaN, so it stops the learner too.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ class StepOutcome:
 
 
 class StepWatch:
-    def __init__(self, engine, steps: int, device: torch.device):
-        self.engine = engine
+    def __init__(self, engine, steps: int, device: torch.device, name: str = "policy"):
+        self.engine, self.name = engine, name
         self.loss_flags = torch.zeros(steps, dtype=torch.float64, device=device)  # micro-batches with a non-finite loss
         self._skipped = engine.skipped_steps
         self.skips: list[bool] = []
@@ -64,7 +68,7 @@ class StepWatch:
             norm = norms[s]
             if not self.skips[s] and (norm is None or not math.isfinite(norm)):
                 raise NonFiniteStep(
-                    f"optimizer step {s} of this update applied a non-finite loss or gradient (norm {norm}): DeepSpeed "
+                    f"{self.name} optimizer step {s} of this update applied a non-finite loss or gradient (norm {norm}): DeepSpeed "
                     "checks gradients only under ZeRO (train.zero_stage >= 1) or bfloat16; the weights may hold NaN, "
                     "resume from the last checkpoint"
                 )

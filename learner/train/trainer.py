@@ -128,6 +128,7 @@ class UpdateStats:
     extra: dict[str, float]  # namespaced extras: kl, entropy, value loss, importance weights
     applied_steps: int  # optimizer steps that changed the weights (S unless DeepSpeed skipped some): the version's advance
     failed_steps: list[int]  # steps skipped or with a non-finite loss or gradient norm (learner/train/step_check.py)
+    critic_failed_steps: list[int] = dataclasses.field(default_factory=list)  # the same for the GAE critic's steps
 
 
 def make_shares(
@@ -287,6 +288,7 @@ class Trainer:
         self.engine.train()
         steps_before = self.engine.global_steps
         watch = StepWatch(self.engine, steps, self.topo.device)
+        critic_watch = StepWatch(self.critic, steps, self.topo.device, "critic") if self.critic is not None else None
         sums = torch.zeros(len(_DEVICE_SUMS), dtype=torch.float64, device=self.topo.device)
         for epoch in range(self.layout.ppo_epochs):
             for j in range(self.layout.mini_batches):
@@ -298,15 +300,22 @@ class Trainer:
                             engine.set_gradient_accumulation_boundary(i == last)
                     row = self._micro_step(mb, extra, share.mini_batch_tokens[j], scale, first_step=epoch == 0 and j == 0)
                     watch.note_loss(epoch * self.layout.mini_batches + j, row[_DEVICE_SUMS.index("loss")])
+                    if critic_watch is not None:
+                        critic_watch.note_loss(epoch * self.layout.mini_batches + j, row[_DEVICE_SUMS.index("loss/value")])
                     sums += row
                 watch.stepped()
+                if critic_watch is not None:
+                    critic_watch.stepped()
         assert self.engine.global_steps == steps_before + steps, "DeepSpeed did not take exactly S optimizer steps"
-        sums = torch.cat([torch.from_numpy(host).to(sums.device), sums, watch.loss_flags])
+        flags = [watch.loss_flags] + ([critic_watch.loss_flags] if critic_watch is not None else [])
+        sums = torch.cat([torch.from_numpy(host).to(sums.device), sums, *flags])
         if self.topo.world > 1:
             dist.all_reduce(sums)
         reduced = sums.tolist()
-        outcome = watch.settle(reduced[-steps:])  # the same on every rank; raises NonFiniteStep for corrupted weights
-        total: dict[str, float] = dict(zip(_HOST_SUMS + _DEVICE_SUMS, reduced[:-steps], strict=True))
+        n_flags = steps * len(flags)
+        outcome = watch.settle(reduced[-n_flags:][:steps])  # the same on every rank; raises NonFiniteStep for corrupted weights
+        critic_failed = critic_watch.settle(reduced[-steps:]).failed if critic_watch is not None else []
+        total: dict[str, float] = dict(zip(_HOST_SUMS + _DEVICE_SUMS, reduced[:-n_flags], strict=True))
         tokens, on_policy = total["tokens"], total["on_policy"]
         grad_norm = self.engine.get_global_grad_norm()
         metrics = {k: total[k] / tokens for k in ("loss/kl", "loss/entropy", "loss/iw_mean", "loss/value_clip_frac") if tokens}
@@ -325,6 +334,7 @@ class Trainer:
             extra=metrics,
             applied_steps=outcome.applied,
             failed_steps=outcome.failed,
+            critic_failed_steps=critic_failed,
         )
 
     @torch.no_grad()

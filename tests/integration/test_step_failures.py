@@ -120,5 +120,48 @@ def test_a_non_finite_step_that_deepspeed_applied_stops_the_learner(tiny_model_d
 
     cfg, trainer = make_trainer(tiny_model_dir, "train.zero_stage=0")
     trainer.policy_loss = PoisonedLoss(trainer.policy_loss, {1})
-    with pytest.raises(NonFiniteStep, match="optimizer step 1 of this update applied a non-finite"):
+    with pytest.raises(NonFiniteStep, match="policy optimizer step 1 of this update applied a non-finite"):
+        trainer.update(one_share(cfg, trainer))
+
+
+class PoisonedValueLoss:
+    """learner.train.trainer.value_loss, made NaN in the critic's optimizer steps listed (in calls)."""
+
+    def __init__(self, poison_calls: set[int]):
+        from learner.train import losses
+
+        self.inner, self.poison, self.calls = losses.value_loss, poison_calls, 0
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        if self.calls in self.poison:
+            out.loss = out.loss * float("nan")
+        self.calls += 1
+        return out
+
+
+def critic_weights(trainer):
+    return torch.cat([p.detach().reshape(-1).clone() for p in trainer.critic.module.parameters()])
+
+
+def test_a_skipped_critic_step_is_reported_and_leaves_the_policy_alone(tiny_model_dir, monkeypatch):
+    """The GAE critic has its own optimizer: its failed step is counted apart (train/critic_skipped_steps), keeps the
+    critic's weights, and the policy's steps, whose advantages came from the values before the update, all apply."""
+    cfg, trainer = make_trainer(tiny_model_dir, "train.zero_stage=2", "algo.advantage=gae", "algo.critic_lr=1e-3")
+    share = one_share(cfg, trainer)
+    trainer.update(share)  # past WarmupLR's first step at lr 0
+    monkeypatch.setattr("learner.train.trainer.value_loss", PoisonedValueLoss({0, 1}))
+    critic_before, policy_before = critic_weights(trainer), weights(trainer)
+    stats = trainer.update(share)
+    assert stats.critic_failed_steps == [0, 1] and stats.failed_steps == [] and stats.applied_steps == STEPS
+    assert torch.equal(critic_weights(trainer), critic_before) and not torch.equal(weights(trainer), policy_before)
+
+
+def test_a_non_finite_critic_step_that_deepspeed_applied_stops_the_learner(tiny_model_dir, monkeypatch):
+    """ZeRO stage 0 in float32: the NaN would reach the critic, and through its values every later advantage."""
+    from learner.train.step_check import NonFiniteStep
+
+    cfg, trainer = make_trainer(tiny_model_dir, "train.zero_stage=0", "algo.advantage=gae", "algo.critic_lr=1e-3")
+    monkeypatch.setattr("learner.train.trainer.value_loss", PoisonedValueLoss({1}))
+    with pytest.raises(NonFiniteStep, match="critic optimizer step 1 of this update applied a non-finite"):
         trainer.update(one_share(cfg, trainer))

@@ -97,6 +97,64 @@ def rollout_group(n=3, prompt_len=4, version=0, seed=0, actor="a0", prompt_id=7,
     )
 
 
+def sample_messages() -> list:
+    """One well-formed message of each type an actor and the hub exchange, with values off their defaults: the
+    codec's round trips (tests/unit/test_codec.py) and the decoder's fuzzing (tests/integration/test_fuzz.py)."""
+    from protocol import messages as m
+
+    prompt = np.arange(1, 5, dtype=np.int32)
+    return [
+        m.Register(actor_id="a", host="h", pid=1, served_version=0, devices=["cuda:GPU-1", ""]),
+        m.RegisterAck(actor_id="a", policy_version=3, heartbeat_s=2.0),
+        m.Heartbeat(actor_id="a", served_version=2, groups_in_flight=4),
+        m.WorkRequest(actor_id="a", max_prompts=8),
+        m.WorkGrant(prompt_id=5, epoch=1, prompt_tokens=prompt, answer="7", policy_version=2, lease_s=60.0),
+        rollout_group(n=3),
+        m.EvalGrant(
+            eval_round=2,
+            split="val",
+            prompt_id=5,
+            prompt_tokens=prompt.copy(),
+            answer="25",
+            policy_version=7,
+            n=3,
+            temperature=0.7,
+            seed=4_000_000_000,
+            lease_s=60.0,
+        ),
+        m.EvalResult(
+            actor_id="a",
+            eval_round=2,
+            split="test",
+            prompt_id=5,
+            lengths=np.array([1, 2, 3], np.int32),
+            rewards=np.array([1, 0, 1], np.float32),
+            finish_reasons=["stop"] * 3,
+            version_min=7,
+            version_max=7,
+            gen_s=0.1,
+        ),
+        m.WeightSync(
+            policy_version=1,
+            group_epoch=2,
+            store_host="127.0.0.1",
+            store_port=1234,
+            rank=1,
+            ranks=2,
+            world_size=3,
+            backend="nccl",
+            timeout_s=30.0,
+            names=["w", "b"],
+            shapes=[[2, 3], [3]],
+            dtype="float32",
+            bucket_bytes=1 << 20,
+        ),
+        m.WeightVersion(actor_id="a", served_version=1, group_epoch=2, load_s=0.1),
+        m.Error(code="protocol", detail="x"),
+        m.Shutdown(reason="done"),
+    ]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A warm-started demo model built once per test session (shared with the demo's cache when present)."""

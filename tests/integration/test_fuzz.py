@@ -16,7 +16,7 @@ import typing
 import msgpack
 import numpy as np
 import zmq
-from conftest import rollout_group
+from conftest import sample_messages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
@@ -43,56 +43,7 @@ def _generic(cls):
 
 
 def samples() -> list[m.Message]:
-    known = [
-        m.Register(actor_id="a", host="h", pid=1, served_version=0, devices=["cuda:GPU-1", ""]),
-        m.RegisterAck(actor_id="a", policy_version=3, heartbeat_s=2.0),
-        m.Heartbeat(actor_id="a", served_version=2, groups_in_flight=4),
-        m.WorkRequest(actor_id="a", max_prompts=8),
-        m.WorkGrant(prompt_id=5, epoch=1, prompt_tokens=np.arange(1, 5, dtype=np.int32), answer="7", policy_version=2, lease_s=60.0),
-        rollout_group(n=3),
-        m.EvalGrant(
-            eval_round=2,
-            split="val",
-            prompt_id=5,
-            prompt_tokens=np.arange(1, 5, dtype=np.int32),
-            answer="25",
-            policy_version=7,
-            n=3,
-            temperature=0.7,
-            seed=4_000_000_000,
-            lease_s=60.0,
-        ),
-        m.EvalResult(
-            actor_id="a",
-            eval_round=2,
-            split="test",
-            prompt_id=5,
-            lengths=np.array([1, 2, 3], np.int32),
-            rewards=np.array([1, 0, 1], np.float32),
-            finish_reasons=["stop"] * 3,
-            version_min=7,
-            version_max=7,
-            gen_s=0.1,
-        ),
-        m.WeightSync(
-            policy_version=1,
-            group_epoch=2,
-            store_host="127.0.0.1",
-            store_port=1234,
-            rank=1,
-            ranks=2,
-            world_size=3,
-            backend="nccl",
-            timeout_s=30.0,
-            names=["w", "b"],
-            shapes=[[2, 3], [3]],
-            dtype="float32",
-            bucket_bytes=1 << 20,
-        ),
-        m.WeightVersion(actor_id="a", served_version=1, group_epoch=2, load_s=0.1),
-        m.Error(code="protocol", detail="x"),
-        m.Shutdown(reason="done"),
-    ]
+    known = sample_messages()
     out = [msg for msg in known if type(msg).__name__ in m.MESSAGE_TYPES]
     for cls in m.MESSAGE_TYPES.values():
         if not any(type(msg) is cls for msg in out):

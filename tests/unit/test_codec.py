@@ -7,39 +7,14 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import rollout_group
+from conftest import rollout_group, sample_messages
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from protocol import messages as m
 from protocol.codec import decode, encode
 
-SAMPLES = [
-    m.Register(actor_id="a", host="h", pid=1, served_version=0, devices=["cuda:GPU-1", ""]),
-    m.RegisterAck(actor_id="a", policy_version=3, heartbeat_s=2.0),
-    m.Heartbeat(actor_id="a", served_version=2, groups_in_flight=4),
-    m.WorkRequest(actor_id="a", max_prompts=8),
-    m.WorkGrant(prompt_id=5, epoch=1, prompt_tokens=np.arange(4, dtype=np.int32), answer="7", policy_version=2, lease_s=60.0),
-    rollout_group(),
-    m.WeightSync(
-        policy_version=1,
-        group_epoch=2,
-        store_host="127.0.0.1",
-        store_port=1234,
-        rank=1,
-        ranks=2,
-        world_size=3,
-        backend="nccl",
-        timeout_s=30.0,
-        names=["w", "b"],
-        shapes=[[2, 3], [3]],
-        dtype="float32",
-        bucket_bytes=1 << 20,
-    ),
-    m.WeightVersion(actor_id="a", served_version=1, group_epoch=2, load_s=0.1),
-    m.Error(code="protocol", detail="x"),
-    m.Shutdown(reason="done"),
-]
+SAMPLES = sample_messages()
 
 
 def _equal(a, b):

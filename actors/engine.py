@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import threading
 import time
 import uuid
@@ -196,6 +197,31 @@ class Engine:
     async def devices(self) -> list[str]:
         """Each engine worker's device identity, in worker-rank order: the weight-group ranks this actor registers."""
         return list(await self.llm.collective_rpc("fleetrl_device"))
+
+    def death(self) -> dict[str, Any] | None:
+        """None while the engine runs; once vLLM has found its engine core dead, how it ended (fields to log).
+
+        vLLM's monitor thread waits on the engine core process and marks the engine dead the moment it ends (a core
+        whose worker process failed says so itself; vllm/v1/engine/core_client.py, start_engine_core_monitor and
+        validate_alive). Requests then fail with EngineDeadError, but an RPC already sent (pause, resume,
+        collective_rpc: a weight sync, `devices`) waits for good: vLLM never fails its future. Whoever awaits the
+        engine must also watch this.
+        """
+        if not self.llm.errored:
+            return None
+        # vLLM's process manager keeps each process's exit code. Looked up with care: the CUDA build is not pinned.
+        manager = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
+        ended: dict[str, int] = manager.finished_procs() if manager is not None else {}
+        if not ended:
+            # The engine core reported a failure (its worker process died, say), or vLLM's output loop failed.
+            return {"process": "EngineCore", "exit_code": None, "cause": "vLLM declared the engine dead (its error is above)"}
+        name, code = next(iter(ended.items()))
+        if code >= 0:
+            return {"process": name, "exit_code": code}
+        try:
+            return {"process": name, "exit_code": code, "signal": signal.Signals(-code).name}
+        except ValueError:  # a real-time signal has no name
+            return {"process": name, "exit_code": code, "signal": str(-code)}
 
     async def apply_weights(self, sync: WeightSync, leave_group: bool = False) -> dict[str, Any]:
         """Pause between engine steps (in-flight requests are kept), receive and load, resume.

@@ -8,10 +8,16 @@
     sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
                     (a failed sync is logged and survived: the learner forms a new group epoch and sends again)
     heartbeat task: Heartbeat every hub.heartbeat_s; re-registers when the hub stops answering
+    engine task:    vLLM's engine core died on its own (the OOM killer) -> actor.engine_died, stop, exit 1
     watch task:     the learner's connection closing (it died or restarted) -> learner lost; a failed CURVE
                     handshake -> its likely cause, logged (a refused client key is final: exit 1)
     SIGTERM/SIGINT: cancel the tasks (or the start-up), close, stop the engine, exit 0; if that has not happened
                     within STOP_GRACE_S, SIGKILL every descendant and exit 128 + signal (actors/lifeline.py)
+
+Engine lost (its core process died, or vLLM declared it dead): nothing can generate or load weights any more,
+and vLLM never answers an RPC it had sent (a sync's pause or load): the actor stops at once, whatever it awaits
+(its tasks are cancelled), and exits 1. The protocol has no goodbye: its connection closing makes the hub put
+every prompt it held back in the queue at once.
 
 Learner lost (its connection closed, or it answers unknown_actor): the actor keeps its engine
 and waits (actor.waiting_for_learner, registering again with backoff). Work granted before is
@@ -36,6 +42,7 @@ import time
 import uuid
 from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import uvloop
@@ -67,6 +74,9 @@ STOP_GRACE_S = 8.0
 # SIGTERM to vLLM's engine core to SIGKILL of its process tree. It is done with the engine well within this; the
 # rest is its interpreter's teardown, and the memory it holds (a GPU's included) is freed when it dies either way.
 ENGINE_STOP_S = 3.0
+# How often the actor looks at vLLM's engine-dead flag (set the moment the engine core process ends): the bound on
+# noticing an engine core that died on its own while nothing in flight would fail (an RPC, or no work at all).
+ENGINE_WATCH_S = 0.5
 
 
 class Actor:
@@ -92,6 +102,7 @@ class Actor:
         self.registered = asyncio.Event()
         self.stop = asyncio.Event()
         self.stop_signal: int | None = None  # the SIGTERM or SIGINT that asked for the stop
+        self.engine_dead = False  # vLLM's engine core died on its own (said once, in actor.engine_died)
         self.handshake_error: str | None = None  # why the last CURVE handshake with the learner failed (auth.handshake_failure)
         self.exit_code = 0
         self.tasks: set[asyncio.Task] = set()
@@ -115,6 +126,7 @@ class Actor:
             return self.exit_code
         ctx = zmq.asyncio.Context()
         try:
+            self._spawn(self._watch_engine())  # from the warm-up on: a start-up step may wait on a dead engine for good
             if await self._unless_stopped(self._start(ctx)):
                 self._spawn(self._receive())
                 self._spawn(self._heartbeat())
@@ -165,6 +177,9 @@ class Actor:
             return False
         if step.exception() is not None and self.stop_signal is not None:
             self.log.info("actor.start_cut_short", error=repr(step.exception()))  # the engine core got the signal first
+            return False
+        if step.exception() is not None and (death := self.engine.death()) is not None:
+            self._engine_died(death)  # the cause, in one line; the step's EngineDeadError says nothing more
             return False
         step.result()  # its error, if it failed
         return True
@@ -246,10 +261,36 @@ class Actor:
                 elif kind == zmq.EVENT_DISCONNECTED and self.registered.is_set():
                     self._lost_learner("connection closed")
 
+    async def _watch_engine(self) -> None:
+        while (death := self.engine.death()) is None:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        self._engine_died(death)
+
+    def _engine_died(self, death: dict[str, Any]) -> None:
+        """Log the cause once and stop, exit 1. Not when a stop signal was sent: a launcher signals the whole process
+        group, and the engine core ending then is expected."""
+        if self.stop_signal is not None or self.engine_dead:
+            return
+        self.engine_dead = True
+        self.log.error(
+            "actor.engine_died",
+            **death,
+            groups_in_flight=self.held,
+            syncing=self.sync_lock.locked(),
+            hint="vLLM's engine core ended on its own; a SIGKILL is most likely the OOM killer (see dmesg): give it more "
+            "memory or lower actor.kvcache_gib, actor.max_num_seqs or actor.gpu_memory_utilization, then start the actor "
+            "again. The prompts it held go back to the learner's queue.",
+        )
+        self.exit_code = 1
+        self.stop.set()
+
     def _task_done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
+            if (death := self.engine.death()) is not None:  # EngineDeadError in a grant or sync: a consequence, not the cause
+                self._engine_died(death)
+                return
             self.log.error("actor.task_failed", error=repr(exc), exc_info=exc)
             self.exit_code = 1
             self.stop.set()

@@ -77,6 +77,9 @@ ENGINE_STOP_S = 3.0
 # How often the actor looks at vLLM's engine-dead flag (set the moment the engine core process ends): the bound on
 # noticing an engine core that died on its own while nothing in flight would fail (an RPC, or no work at all).
 ENGINE_WATCH_S = 0.5
+# vLLM may end a completion unfinished ("error": a request-level failure it calls retryable; "abort"; "repetition"
+# where that detector is on): not a sample of the policy, and the hub refuses it. The group is generated again.
+GENERATE_ATTEMPTS = 3
 
 
 class Actor:
@@ -379,9 +382,23 @@ class Actor:
     async def _run_grant(self, grant: m.WorkGrant) -> None:
         async with self.version_changed:
             await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
-        version_min = self.served_version
         t0 = time.perf_counter()
-        completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt, sampling=self.sampling)
+        for attempt in range(1, GENERATE_ATTEMPTS + 1):
+            version_min = self.served_version
+            completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt, sampling=self.sampling)
+            unfinished = sorted({c.finish_reason for c in completions}.difference(m.FINISH_REASONS))
+            if not unfinished:
+                break
+            self.log.warning("actor.unfinished_completions", prompt_id=grant.prompt_id, reasons=unfinished, attempt=attempt)
+        else:  # not sent: the hub grants the prompt again when its lease runs out
+            self.log.error(
+                "actor.group_dropped",
+                prompt_id=grant.prompt_id,
+                reasons=unfinished,
+                attempts=GENERATE_ATTEMPTS,
+                why=f"the engine ended completions {unfinished} every time; the hub re-grants it after staleness.lease_s",
+            )
+            return
         version_max = self.served_version
         gen_s = time.perf_counter() - t0
         scores = await self._score(grant, completions, "train")

@@ -2,7 +2,8 @@
 
     receiver task:  RegisterAck | WorkGrant -> grant task | WeightSync -> sync task | Shutdown | Error
     grant task:     wait until the engine serves grant.policy_version -> generate n completions
-                    -> score (reward worker processes) -> send RolloutGroup (each group as soon as it is done)
+                    -> score (reward worker processes) -> send RolloutGroup (each group as soon as it is done;
+                    generating and scoring: actors/rollout.py)
     eval task:      EvalGrant -> generate with its sampling (greedy or sampled, eval.*) -> score -> EvalResult
                     (not counted in `held`: eval work never takes the place of training work)
     sync task:      pause engine (keep in-flight) -> receive buckets -> load -> resume -> WeightVersion
@@ -44,19 +45,18 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import uvloop
 import zmq
 import zmq.asyncio
 
 from actors import lifeline
-from actors.engine import Completion, Sampling
-from actors.rewards import GroupScores, RewardContext, assemble, load_reward, parse_metadata
+from actors.rewards import load_reward
 from actors.rewards.pool import RewardPool
+from actors.rollout import Rollouts
 from protocol import auth, transport
 from protocol import messages as m
 from protocol.config import Config, parse_cpus
-from protocol.logs import Throttle, set_context, setup_logging
+from protocol.logs import set_context, setup_logging
 from protocol.net import pin_cpus
 from protocol.progress import phase
 
@@ -77,9 +77,6 @@ ENGINE_STOP_S = 3.0
 # How often the actor looks at vLLM's engine-dead flag (set the moment the engine core process ends): the bound on
 # noticing an engine core that died on its own while nothing in flight would fail (an RPC, or no work at all).
 ENGINE_WATCH_S = 0.5
-# vLLM may end a completion unfinished ("error": a request-level failure it calls retryable; "abort"; "repetition"
-# where that detector is on): not a sample of the policy, and the hub refuses it. The group is generated again.
-GENERATE_ATTEMPTS = 3
 
 
 class Actor:
@@ -89,8 +86,7 @@ class Actor:
         self.actor_id = actor_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         load_reward(cfg.rollout.reward_fn)  # fails here, naming rollout.reward_fn, before the engine's slow start
         self.rewards: RewardPool | None = None  # the worker processes that score (started after the engine)
-        self._reward_error_log = Throttle(1.0)
-        self.sampling = Sampling.rollout(cfg)
+        self.rollouts: Rollouts | None = None  # grants -> scored groups (actors/rollout.py), once engine and rewards are up
         self.keys = auth.client_keys(cfg, learner)  # CURVE keys, or None on loopback (a bad key file fails here)
         self.served_version = 0  # the weights in model.path are the learner's version 0
         self.version_changed = asyncio.Condition()
@@ -164,6 +160,7 @@ class Actor:
         )
         with phase(self.log, "actor.reward_workers_start", workers=r.reward_workers):
             await self.rewards.start()
+        self.rollouts = Rollouts(self.cfg, self.engine, self.rewards, self.log)
         self.sock = transport.client_socket(
             ctx, self.learner, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self.keys, events=CONNECTION_EVENTS
         )
@@ -380,104 +377,21 @@ class Actor:
                 self.log.warning("actor.unexpected_message", type=type(msg).__name__)
 
     async def _run_grant(self, grant: m.WorkGrant) -> None:
-        async with self.version_changed:
-            await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
-        t0 = time.perf_counter()
-        for attempt in range(1, GENERATE_ATTEMPTS + 1):
-            version_min = self.served_version
-            completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt, sampling=self.sampling)
-            unfinished = sorted({c.finish_reason for c in completions}.difference(m.FINISH_REASONS))
-            if not unfinished:
-                break
-            self.log.warning("actor.unfinished_completions", prompt_id=grant.prompt_id, reasons=unfinished, attempt=attempt)
-        else:  # not sent: the hub grants the prompt again when its lease runs out
-            self.log.error(
-                "actor.group_dropped",
-                prompt_id=grant.prompt_id,
-                reasons=unfinished,
-                attempts=GENERATE_ATTEMPTS,
-                why=f"the engine ended completions {unfinished} every time; the hub re-grants it after staleness.lease_s",
-            )
-            return
-        version_max = self.served_version
-        gen_s = time.perf_counter() - t0
-        scores = await self._score(grant, completions, "train")
-        lengths = np.asarray([len(c.token_ids) for c in completions], dtype=np.int32)
-        await self._send(
-            m.RolloutGroup(
-                actor_id=self.actor_id,
-                prompt_id=grant.prompt_id,
-                epoch=grant.epoch,
-                prompt_tokens=grant.prompt_tokens,
-                lengths=lengths,
-                completion_tokens=np.concatenate([c.token_ids for c in completions]),
-                behaviour_logprobs=np.concatenate([c.logprobs for c in completions]),
-                rewards=scores.rewards,
-                finish_reasons=[c.finish_reason for c in completions],
-                version_min=version_min,
-                version_max=version_max,
-                gen_s=gen_s,
-                reward_s=time.perf_counter() - t0 - gen_s,
-                reward_parts=scores.parts,
-                reward_part_names=scores.part_names,
-                reward_errors=scores.errors,
-            )
-        )
-
-    async def _score(self, grant: m.WorkGrant | m.EvalGrant, completions: list[Completion], split: str) -> GroupScores:
-        """Score a group in the reward workers. A failed reward scores 0 and is counted in the group (and logged
-        here, once per group, with its first line): the group is sent as usual."""
-        assert self.rewards is not None
-        try:
-            metadata = parse_metadata(grant.metadata)
-        except ValueError as e:  # json.JSONDecodeError is a ValueError; the reward still runs, with no metadata
-            self.log.warning("actor.bad_metadata", prompt_id=grant.prompt_id, split=split, error=str(e))
-            metadata = {}
-        contexts = [
-            RewardContext(completion=c.text, prompt=grant.prompt, answer=grant.answer, metadata=metadata, finish_reason=c.finish_reason)
-            for c in completions
-        ]
-        scores = assemble(await self.rewards.score(contexts))
-        # at most one line a second: a reward that fails on every row must not flood the log (the counts still go out)
-        if scores.errors and (suppressed := self._reward_error_log.ready()) is not None:
-            self.log.warning(
-                "actor.reward_errors",
-                reward=self.cfg.rollout.reward_fn,
-                errors=scores.errors,
-                of=len(contexts),
-                prompt_id=grant.prompt_id,
-                split=split,
-                first=scores.first_error,
-                suppressed=suppressed,
-            )
-        return scores
+        await self._serving(grant.policy_version)
+        assert self.rollouts is not None
+        group = await self.rollouts.train_group(grant, self.actor_id, lambda: self.served_version)
+        if group is not None:
+            await self._send(group)
 
     async def _run_eval(self, grant: m.EvalGrant) -> None:
-        """The hub sends no newer weights during a round, so version_min == version_max == grant.policy_version."""
+        await self._serving(grant.policy_version)
+        assert self.rollouts is not None
+        await self._send(await self.rollouts.eval_result(grant, self.actor_id, lambda: self.served_version))
+
+    async def _serving(self, version: int) -> None:
+        """Until the engine serves `version` (a grant's: the hub grants only what the weights it sent can make)."""
         async with self.version_changed:
-            await self.version_changed.wait_for(lambda: self.served_version >= grant.policy_version)
-        version_min = self.served_version
-        t0 = time.perf_counter()
-        completions = await self.engine.generate_group(
-            grant.prompt_tokens, grant.n, seed=grant.seed, sampling=Sampling.evaluation(self.cfg, grant.temperature)
-        )
-        gen_s = time.perf_counter() - t0
-        scores = await self._score(grant, completions, grant.split)
-        await self._send(
-            m.EvalResult(
-                actor_id=self.actor_id,
-                eval_round=grant.eval_round,
-                split=grant.split,
-                prompt_id=grant.prompt_id,
-                lengths=np.asarray([len(c.token_ids) for c in completions], dtype=np.int32),
-                rewards=scores.rewards,
-                finish_reasons=[c.finish_reason for c in completions],
-                version_min=version_min,
-                version_max=self.served_version,
-                gen_s=gen_s,
-                reward_errors=scores.errors,
-            )
-        )
+            await self.version_changed.wait_for(lambda: self.served_version >= version)
 
     async def _apply_sync(self, sync: m.WeightSync) -> None:
         async with self.sync_lock:

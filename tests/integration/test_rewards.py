@@ -26,7 +26,6 @@ from actors.rewards import (
 from actors.rewards.builtin import last_boxed
 from actors.rewards.pool import RewardPool
 from actors.rewards.verifiers import OpenInstructReward, gsm8k, math
-from protocol.logs import Throttle
 
 
 def ctx(completion, answer="", finish_reason="stop", metadata=None, prompt=""):
@@ -277,12 +276,10 @@ class RecordingLog:
 
 
 def test_actor_fills_the_groups_reward_fields():
-    """Actor._score: the grant's prompt, answer and metadata reach the reward with each completion's text and finish
+    """Rollouts.score: the grant's prompt, answer and metadata reach the reward with each completion's text and finish
     reason; parts, errors and the first error's line (with the reward's name) come back; the RolloutGroup checks."""
-    from types import SimpleNamespace
-
     from actors.engine import Completion
-    from actors.main import Actor
+    from actors.rollout import Rollouts
     from protocol import messages as m
     from protocol.config import load_config
 
@@ -303,12 +300,12 @@ def test_actor_fills_the_groups_reward_fields():
 
     async def main(grant, spec):
         cfg = load_config(None, [f"rollout.reward_fn={spec}"])
-        actor = SimpleNamespace(cfg=cfg, log=RecordingLog(), rewards=RewardPool(spec, 1, 5.0), _reward_error_log=Throttle(0.0))
-        await actor.rewards.start()
+        rollouts = Rollouts(cfg, engine=None, rewards=RewardPool(spec, 1, 5.0), log=RecordingLog())
+        await rollouts.rewards.start()
         try:
-            return await Actor._score(actor, grant, completions, "train"), actor.log.records
+            return await rollouts.score(grant, completions, "train"), rollouts.log.records
         finally:
-            await actor.rewards.close()
+            await rollouts.rewards.close()
 
     scores, log = run(main(grant, "tests.reward_fns:context_len"))
     assert scores.rewards.tolist() == [12.0, 13.0] and scores.part_names == ["length", "stopped"]

@@ -1,0 +1,127 @@
+"""What an actor makes of a grant: the engine's completions, scored by the reward workers, as the message the hub takes.
+
+    WorkGrant --generate (again while vLLM ends completions unfinished)--> completions --score--> RolloutGroup | None
+    EvalGrant --generate with the round's sampling--> completions --score--> EvalResult
+
+No socket, no version bookkeeping: the actor (actors/main.py) waits until its engine serves the grant's version,
+passes `served` (the version it serves now, read again when generation ends: weights may change mid-group) and
+sends what comes back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from actors.engine import Completion, Engine, Sampling
+from actors.rewards import GroupScores, RewardContext, assemble, parse_metadata
+from actors.rewards.pool import RewardPool
+from protocol import messages as m
+from protocol.config import Config
+from protocol.logs import Throttle
+
+# vLLM may end a completion unfinished ("error": a request-level failure it calls retryable; "abort"; "repetition"
+# where that detector is on): not a sample of the policy, and the hub refuses it. The group is generated again.
+GENERATE_ATTEMPTS = 3
+
+
+class Rollouts:
+    def __init__(self, cfg: Config, engine: Engine, rewards: RewardPool, log: Any):
+        self.cfg, self.engine, self.rewards, self.log = cfg, engine, rewards, log
+        self.sampling = Sampling.rollout(cfg)
+        self._reward_error_log = Throttle(1.0)
+
+    async def train_group(self, grant: m.WorkGrant, actor_id: str, served: Callable[[], int]) -> m.RolloutGroup | None:
+        """The grant's group; None when the engine ended completions unfinished every time (not sent: the hub grants
+        the prompt again when its lease runs out)."""
+        t0 = time.perf_counter()
+        for attempt in range(1, GENERATE_ATTEMPTS + 1):
+            version_min = served()
+            completions = await self.engine.generate_group(grant.prompt_tokens, self.cfg.rollout.samples_per_prompt, sampling=self.sampling)
+            unfinished = sorted({c.finish_reason for c in completions}.difference(m.FINISH_REASONS))
+            if not unfinished:
+                break
+            self.log.warning("actor.unfinished_completions", prompt_id=grant.prompt_id, reasons=unfinished, attempt=attempt)
+        else:
+            self.log.error(
+                "actor.group_dropped",
+                prompt_id=grant.prompt_id,
+                reasons=unfinished,
+                attempts=GENERATE_ATTEMPTS,
+                why=f"the engine ended completions {unfinished} every time; the hub re-grants it after staleness.lease_s",
+            )
+            return None
+        version_max = served()
+        gen_s = time.perf_counter() - t0
+        scores = await self.score(grant, completions, "train")
+        return m.RolloutGroup(
+            actor_id=actor_id,
+            prompt_id=grant.prompt_id,
+            epoch=grant.epoch,
+            prompt_tokens=grant.prompt_tokens,
+            lengths=np.asarray([len(c.token_ids) for c in completions], dtype=np.int32),
+            completion_tokens=np.concatenate([c.token_ids for c in completions]),
+            behaviour_logprobs=np.concatenate([c.logprobs for c in completions]),
+            rewards=scores.rewards,
+            finish_reasons=[c.finish_reason for c in completions],
+            version_min=version_min,
+            version_max=version_max,
+            gen_s=gen_s,
+            reward_s=time.perf_counter() - t0 - gen_s,
+            reward_parts=scores.parts,
+            reward_part_names=scores.part_names,
+            reward_errors=scores.errors,
+        )
+
+    async def eval_result(self, grant: m.EvalGrant, actor_id: str, served: Callable[[], int]) -> m.EvalResult:
+        """The hub sends no newer weights during a round, so version_min == version_max == grant.policy_version."""
+        version_min = served()
+        t0 = time.perf_counter()
+        completions = await self.engine.generate_group(
+            grant.prompt_tokens, grant.n, seed=grant.seed, sampling=Sampling.evaluation(self.cfg, grant.temperature)
+        )
+        gen_s = time.perf_counter() - t0
+        scores = await self.score(grant, completions, grant.split)
+        return m.EvalResult(
+            actor_id=actor_id,
+            eval_round=grant.eval_round,
+            split=grant.split,
+            prompt_id=grant.prompt_id,
+            lengths=np.asarray([len(c.token_ids) for c in completions], dtype=np.int32),
+            rewards=scores.rewards,
+            finish_reasons=[c.finish_reason for c in completions],
+            version_min=version_min,
+            version_max=served(),
+            gen_s=gen_s,
+            reward_errors=scores.errors,
+        )
+
+    async def score(self, grant: m.WorkGrant | m.EvalGrant, completions: list[Completion], split: str) -> GroupScores:
+        """Score a group in the reward workers. A failed reward scores 0 and is counted in the group (and logged
+        here, once per group, with its first line): the group is sent as usual."""
+        try:
+            metadata = parse_metadata(grant.metadata)
+        except ValueError as e:  # json.JSONDecodeError is a ValueError; the reward still runs, with no metadata
+            self.log.warning("actor.bad_metadata", prompt_id=grant.prompt_id, split=split, error=str(e))
+            metadata = {}
+        contexts = [
+            RewardContext(completion=c.text, prompt=grant.prompt, answer=grant.answer, metadata=metadata, finish_reason=c.finish_reason)
+            for c in completions
+        ]
+        scores = assemble(await self.rewards.score(contexts))
+        # at most one line a second: a reward that fails on every row must not flood the log (the counts still go out)
+        if scores.errors and (suppressed := self._reward_error_log.ready()) is not None:
+            self.log.warning(
+                "actor.reward_errors",
+                reward=self.cfg.rollout.reward_fn,
+                errors=scores.errors,
+                of=len(contexts),
+                prompt_id=grant.prompt_id,
+                split=split,
+                first=scores.first_error,
+                suppressed=suppressed,
+            )
+        return scores

@@ -3,8 +3,8 @@
     fleetrl status --learner tcp://HOST:PORT [--interval 2] [--once]
 
 Each refresh is one StatusRequest / StatusReply (protocol/messages.py). `--once` prints one
-snapshot and exits (0, or 1 when the learner does not answer); the live view keeps retrying
-through a learner restart and says that it is waiting.
+snapshot and exits (0, or 1 when the learner does not answer or refuses the handshake: the line names
+the key flag to fix); the live view keeps retrying through a learner restart and says that it is waiting.
 """
 
 from __future__ import annotations

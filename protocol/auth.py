@@ -104,9 +104,22 @@ def _client_pair(server: tuple[str, str], client: tuple[str, str]) -> ClientKeys
     return ClientKeys(server_public=server_public, public=public, secret=secret)
 
 
-def handshake_failure(event: int, value: int, server_key: str = "auth.server_key", client_key: str = "auth.client_key") -> str | None:
+# The client socket's monitor events that `handshake_failure` explains.
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+def handshake_failure(
+    event: int,
+    value: int,
+    server_key: str = "auth.server_key",
+    client_key: str = "auth.client_key",
+    curve: str = "auth.curve = on",
+    client_curve: bool | None = None,
+) -> str | None:
     """Why a client's CURVE handshake with the hub failed, as far as ZeroMQ tells it, from the client socket's monitor
-    event and its value; None for an event that is no handshake failure. `server_key`/`client_key` name the settings.
+    event and its value; None for an event that is no handshake failure. `server_key`/`client_key`/`curve` name the
+    settings (`curve`: the one that turns CURVE on for the client, "" where giving the keys does, as for `fleetrl ctl`).
+    `client_curve`: whether the client uses CURVE (None: not known), which decides which side a mismatch blames.
 
     What a client sees (libzmq 4.3, tests/integration/test_auth.py):
     - HANDSHAKE_FAILED_AUTH, ZAP status 400: the hub's gatekeeper refused the client's public key. Final: libzmq
@@ -115,12 +128,16 @@ def handshake_failure(event: int, value: int, server_key: str = "auth.server_key
       HELLO, which the client encrypted for the server key it was given, and when it runs without CURVE. The
       client key is not the cause: it travels only after the HELLO, and a key pair that does not match itself is
       refused when its file is read (`_read`). libzmq retries on every reconnect.
-    - HANDSHAKE_FAILED_PROTOCOL, mechanism mismatch: the hub uses CURVE and the client does not.
+    - HANDSHAKE_FAILED_PROTOCOL, mechanism mismatch: CURVE on one side only. Either way round a client sees this
+      or NO_DETAIL, whichever end notices first (a race), so NO_DETAIL for a client without CURVE means the same.
     """
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         if value == 400:
             return f"the learner refused this client's key: the public key of {client_key} is not in the learner's auth.authorized folder"
         return f"the learner's key check failed (ZAP status {value})"
+    mismatch = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and client_curve is False:  # without CURVE no key can be wrong
+        event, value = mismatch
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
         return (
             f"the learner hung up during the CURVE handshake: {server_key} is not the public key of the learner at "
@@ -128,8 +145,13 @@ def handshake_failure(event: int, value: int, server_key: str = "auth.server_key
             f"CURVE. Not {client_key}: the learner drops the handshake before it sees the client key, and refuses an "
             "unlisted one with a reason"
         )
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return f"the learner uses CURVE and this client does not: set {server_key} and {client_key} (auth.curve = on)"
+    if (event, value) == mismatch:
+        turn_on = f"set {server_key} and {client_key}" + (f" ({curve})" if curve else "")
+        if client_curve is None:
+            return f"CURVE is on at one end only: the learner uses it and this client does not ({turn_on}), or the other way round"
+        if client_curve:
+            return f"the learner at this address runs without CURVE and this client uses it: leave out {server_key} and {client_key}"
+        return f"the learner uses CURVE and this client does not: {turn_on}"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         return f"the handshake with the learner broke ZeroMQ's protocol (ZMTP error {value:#x}): is a FleetRL learner at this address?"
     return None

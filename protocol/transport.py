@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from protocol.auth import ClientKeys, ServerKeys
+from protocol.auth import HANDSHAKE_FAILED, ClientKeys, ServerKeys
 from protocol.codec import decode, encode
 from protocol.messages import Message
 
@@ -93,10 +93,11 @@ def client_socket(
 def ops_socket(ctx: zmq.Context, connect: str, max_frame_bytes: int = 16 << 20, keys: ClientKeys | None = None) -> zmq.Socket:
     """An operator's one-shot client (`fleetrl ctl`, `fleetrl status`): a blocking DEALER to the hub.
 
-    The caller waits a bounded time for its reply and gives up. A refused key would look like silence, so
-    the socket's monitor reports it (EVENT_HANDSHAKE_FAILED_AUTH, from `sock.get_monitor_socket()`).
+    The caller waits a bounded time for its reply and gives up. A failed CURVE handshake (a refused key,
+    another learner's server key, CURVE on one side only) would look like silence, so the socket's monitor
+    reports it (auth.HANDSHAKE_FAILED, from `sock.get_monitor_socket()`).
     """
-    return client_socket(ctx, connect, 16, max_frame_bytes, keys, events=zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # type: ignore[arg-type, return-value]  # any context
+    return client_socket(ctx, connect, 16, max_frame_bytes, keys, events=HANDSHAKE_FAILED)  # type: ignore[arg-type, return-value]  # any context
 
 
 actor_socket = client_socket  # the name existing callers use

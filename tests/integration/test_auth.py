@@ -515,3 +515,55 @@ def test_an_actor_says_which_key_its_handshake_failed_on(tmp_path):
     [refused] = events("unlisted", "actor.key_refused")
     assert refused["status"] == 400 and "auth.client_key" in refused["cause"] and "server_key" not in refused["cause"]
     assert not events("unlisted", "actor.handshake_failed")
+
+
+def test_ctl_and_status_name_the_key_flag_to_fix_when_the_handshake_fails(tmp_path, capsys):
+    """A learner that will not talk to the operator's keys used to look like no learner at all ("no reply ... is
+    the learner running?", after all of --timeout). From the socket's monitor, `fleetrl ctl` and `status` say at
+    once, in one line, which flag to fix: --server-key for another learner's key (or a learner without CURVE),
+    --client-key for a key the learner does not list, both for a learner with CURVE given none. Exit 1 (refused)."""
+    keys, stranger = tmp_path / "keys", tmp_path / "stranger"
+    auth.generate(keys, ["actor-a", "operator"])
+    auth.generate(stranger, ["operator"])  # another learner's key folder
+    port, plain_port = free_port(), free_port()
+    addr, plain_addr = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{plain_port}"
+
+    def flags(server: Path, client: Path) -> list[str]:
+        return ["--server-key", str(server / "server.key"), "--client-key", str(client / "clients" / "operator.key_secret")]
+
+    wrong_server = "--server-key is not the public key of the learner at this address"
+    cases = [
+        ("ctl", addr, flags(stranger, keys), wrong_server),
+        ("status", addr, flags(stranger, keys), wrong_server),
+        ("ctl", plain_addr, flags(keys, keys), "runs without CURVE"),  # either of two events (auth.handshake_failure)
+        ("ctl", addr, flags(keys, stranger), "the public key of --client-key is not in the learner's auth.authorized folder"),
+        ("status", addr, [], "the learner uses CURVE and this client does not: set --server-key and --client-key"),
+    ]
+    hub = start_hub(curve_config(keys, port))
+    plain = start_hub(load_config(None, [f"hub.bind={plain_addr}"]))
+    before = hub.max_staleness, plain.max_staleness
+    try:
+        for command, learner, key_flags, needle in cases:
+            argv = [command, "--learner", learner, *key_flags, "--timeout", "5"]
+            argv += ["set", "max_staleness", str(before[0] + 1)] if command == "ctl" else ["--once"]
+            t0 = time.monotonic()
+            assert cli(argv) == 1, argv
+            took = time.monotonic() - t0
+            # One line of its own (the hubs' log lines share stderr once a test before this one has set up logging).
+            [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fleetrl ")]
+            assert line.startswith(f"fleetrl {command}: {learner}: ") and needle in line, (argv, line)
+            assert took < 2.5, (argv, took)  # at the first handshake, not at --timeout
+        assert (hub.max_staleness, plain.max_staleness) == before
+    finally:
+        hub.stop()
+        plain.stop()
+    # CURVE on one side only: the mismatch blames the side that the client's own keys say.
+    mismatch = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+    with_keys = auth.handshake_failure(*mismatch, "--server-key", "--client-key", curve="", client_curve=True)
+    assert with_keys is not None and with_keys.endswith(
+        "runs without CURVE and this client uses it: leave out --server-key and --client-key"
+    )
+    assert auth.handshake_failure(*mismatch, client_curve=False) == (
+        "the learner uses CURVE and this client does not: set auth.server_key and auth.client_key (auth.curve = on)"
+    )
+    assert "or the other way round" in str(auth.handshake_failure(*mismatch))

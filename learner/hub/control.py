@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from learner.hub.state import RATE_WINDOW_S, RECENT_GROUPS, HubState
+from learner.hub.records import RATE_WINDOW_S, RECENT_GROUPS
+from learner.hub.state import HubState
 from protocol import messages as m
 from protocol.logs import get_logger
 

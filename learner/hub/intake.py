@@ -11,8 +11,8 @@ uninformative groups in it, and says so.
 
 from __future__ import annotations
 
+from learner.hub.records import Accepted
 from learner.hub.server import Hub
-from learner.hub.state import Accepted
 from learner.train.advantages import informative_groups
 from protocol.config import Config
 

@@ -33,7 +33,8 @@ from learner.hub import control
 from learner.hub.evaluation import EvalRound
 from learner.hub.gatekeeper import Gatekeeper
 from learner.hub.ledger import Key, Ledger
-from learner.hub.state import MAX_DETAIL, Accepted, ActorState, HubState, Out
+from learner.hub.records import MAX_DETAIL, Accepted, ActorState, Out
+from learner.hub.state import HubState
 from protocol import auth, transport
 from protocol import messages as m
 from protocol.config import Config, ConfigError

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from learner.data.prompts import PromptSet
@@ -25,69 +24,10 @@ from learner.hub.checks import GroupLimits, Refusal, check_group
 from learner.hub.evaluation import EvalRound
 from learner.hub.ledger import Key, Ledger, State
 from learner.hub.quarantine import Quarantine
+from learner.hub.records import MAX_DETAIL, RECENT_GROUPS, Accepted, ActorState, Out, UpdateTimes, error_reply
 from protocol import messages as m
 from protocol.config import Config
 from protocol.logs import get_logger
-
-MAX_DETAIL = 300  # characters of an error reply: a decode error may quote the peer's input, which may be huge
-RATE_WINDOW_S = 30.0  # per-actor samples/s is measured over this window
-RECENT_GROUPS = 512  # the staleness histogram covers this many recently taken groups
-
-
-@dataclass(slots=True)
-class ActorState:
-    identity: bytes  # ZeroMQ routing id of the actor's DEALER
-    last_seen: float
-    served_version: int
-    demand: int = 0  # prompts it may still be granted: its capacity minus `held` when it last asked
-    held: set[Key] = field(default_factory=set)
-    groups: int = 0  # groups accepted from it
-    joined_at: float = 0.0
-    first_version: int | None = None  # version_min of its first admissible group (a late joiner's must be current)
-    key: str | None = None  # name of the CURVE key that registered it (None: CURVE off); only that key may replace it
-    arrivals: deque[float] = field(default_factory=deque)  # accept times, last RATE_WINDOW_S (samples/s)
-    devices: list[str] = field(default_factory=lambda: [""])  # Register.devices: its weight-group ranks' devices
-
-    def note_arrival(self, now: float) -> None:
-        """An accepted group; keeps only RATE_WINDOW_S of history."""
-        self.arrivals.append(now)
-        while self.arrivals[0] < now - RATE_WINDOW_S:
-            self.arrivals.popleft()
-
-
-@dataclass(slots=True)
-class Accepted:
-    """A rollout group in the buffer, with the ledger key it settles."""
-
-    key: Key
-    group: m.RolloutGroup
-    arrived: float
-
-
-@dataclass(frozen=True, slots=True)
-class Out:
-    """A message for one peer. A reply (an Error, a RegisterAck) is dropped when the peer's queue is full, never
-    waited for: a peer that sends without reading must not hold up the hub. A grant is waited for, briefly."""
-
-    identity: bytes
-    msg: m.Message
-    reply: bool = True
-
-
-@dataclass(kw_only=True, slots=True)
-class UpdateTimes:
-    """The training thread's timings of its last update, for `fleetrl status` (HubState.note_update)."""
-
-    updates: int = 0
-    step_s: float = 0.0  # batch wait + train + weight sync
-    syncs: int = 0
-    sync_started: float = 0.0  # time.monotonic() when the last weight sync started
-    sync_s: float = 0.0  # how long that sync held the learner up
-    broadcast_s: float = 0.0  # the last finished background broadcast
-
-
-def _error(identity: bytes, code: str, detail: str) -> Out:
-    return Out(identity, m.Error(code=code, detail=detail[:MAX_DETAIL]))
 
 
 class HubState:
@@ -122,23 +62,23 @@ class HubState:
         handler = self._handlers.get(type(msg))
         if handler is None:
             self.counters["protocol_errors"] += 1
-            return [_error(identity, "protocol", f"{type(msg).__name__} is not for the hub")]
+            return [error_reply(identity, "protocol", f"{type(msg).__name__} is not for the hub")]
         if self.quarantine.refuses_identity(identity, now):
             self.counters["quarantined_messages"] += 1
-            return [_error(identity, "quarantined", "this connection's actor is quarantined for sending refused groups")]
+            return [error_reply(identity, "quarantined", "this connection's actor is quarantined for sending refused groups")]
         return handler(self, identity, msg, now, key)
 
     def _register(self, identity: bytes, msg: m.Register, now: float, key: str | None) -> list[Out]:
         if self.quarantine.refuses_id(msg.actor_id, now):
             self.counters["quarantined_messages"] += 1
             self.log.warning("hub.register_refused", actor=msg.actor_id, key=key, why="quarantined")
-            return [_error(identity, "quarantined", f"actor id {msg.actor_id!r} is quarantined for sending refused groups")]
+            return [error_reply(identity, "quarantined", f"actor id {msg.actor_id!r} is quarantined for sending refused groups")]
         old = self.actors.get(msg.actor_id)
         if old is not None and old.key != key:  # only the key that registered an id may take it over
             self.counters["register_wrong_key"] += 1
             self.log.warning("hub.register_refused", actor=msg.actor_id, key=key, owner=old.key)
             return [
-                _error(
+                error_reply(
                     identity, "id_taken", f"actor id {msg.actor_id!r} is registered with another key; pick another id (fleetrl actor --id)"
                 )
             ]
@@ -175,7 +115,7 @@ class HubState:
 
     def _unknown(self, identity: bytes, actor_id: str) -> list[Out]:
         self.counters["unknown_actor"] += 1
-        return [_error(identity, "unknown_actor", f"actor {actor_id!r} is not registered; register again")]
+        return [error_reply(identity, "unknown_actor", f"actor {actor_id!r} is not registered; register again")]
 
     def _served(self, identity: bytes, actor_id: str, served_version: int, now: float) -> ActorState | None:
         """Record the version an actor serves (max: a heartbeat sent before a sync may arrive after it)."""
@@ -266,7 +206,7 @@ class HubState:
             why = rnd.receive(msg)
             if why is not None:
                 self.log.warning("hub.eval_result_rejected", actor=msg.actor_id, why=why)
-                out.append(_error(identity, "rejected", why))
+                out.append(error_reply(identity, "rejected", why))
         else:
             self.counters["eval_late"] += 1  # its round already ended (timeout)
         return [*out, *self.pump(now)]
@@ -303,7 +243,7 @@ class HubState:
         With `strike` (the actor's fault) it counts toward quarantining the actor."""
         self.counters[f"rejected_{refusal.reason}"] += 1
         self._take_back(state, actor_id, key)
-        out = [_error(identity, "rejected", f"group for prompt {key[1]} (epoch {key[0]}) refused, {refusal.reason}: {refusal.detail}")]
+        out = [error_reply(identity, "rejected", f"group for prompt {key[1]} (epoch {key[0]}) refused, {refusal.reason}: {refusal.detail}")]
         if strike or refusal.reason == "reward":
             self.log.warning("hub.group_rejected", actor=actor_id, key=key, reason=refusal.reason, detail=refusal.detail[:MAX_DETAIL])
         if strike:
@@ -323,7 +263,7 @@ class HubState:
                     last_reason=refusal.reason,
                 )
                 out.append(
-                    _error(
+                    error_reply(
                         identity,
                         "quarantined",
                         f"{strikes} groups refused within {q.quarantine_window_s:g} s (the last: "

@@ -11,8 +11,8 @@ from deploy.tiny import build_tokenizer
 from learner.data.prompts import PromptSet, addition_items
 from learner.hub.intake import MAX_FILTERED_BATCHES, take_update_batch
 from learner.hub.ledger import State
+from learner.hub.records import Accepted
 from learner.hub.server import Hub
-from learner.hub.state import Accepted
 from protocol.config import load_config
 
 

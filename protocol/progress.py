@@ -9,7 +9,8 @@
 The "still" lines come from a thread, so they appear even when the phase blocks its
 own thread or event loop (vLLM's engine start blocks the actor's loop). A phase that
 usually takes milliseconds (a weight broadcast each step) passes `quiet=True`: its
-begin/done lines are debug, unless it ran long enough to print a "still" line.
+begin/done lines are debug, unless it ran long enough to print a "still" line, and so
+is its failed line: its caller reports a failure in its own words (weights.attempt_failed).
 
 A run of many steps says how far it is and how long it has left: `Eta` (the learner's
 `learner.step` line reads `step=5/100 eta=1m23s` on the console; protocol/logs.py renders it).
@@ -42,7 +43,8 @@ def phase(log: Any, name: str, every_s: float = 5.0, quiet: bool = False, **fiel
         yield
     except BaseException as e:
         done.set()
-        log.warning(f"{name}.failed", duration_s=round(time.perf_counter() - t0, 3), error=f"{type(e).__name__}: {e}", **fields)
+        failed = log.warning if slow.is_set() or not quiet else log.debug
+        failed(f"{name}.failed", duration_s=round(time.perf_counter() - t0, 3), error=f"{type(e).__name__}: {e}", **fields)
         raise
     finally:
         done.set()

@@ -90,6 +90,17 @@ class Attempt:
     # the sender's group (the everyone epoch, reused by the next sync) is kept meanwhile.
     side: bool = False
     side_group: dist.ProcessGroup | None = None
+    # Its failure repeats what an earlier attempt of the same members' registrations logged: cut short again before
+    # they joined, or at the deadline that evicts them (hub.actor_removed counts the attempts). Logged at debug.
+    repeat: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class Joining:
+    """A member's join in one registration, across attempts cut short (WeightSender._join_by)."""
+
+    by: float  # when it must have joined (monotonic clock): the first attempt's deadline
+    attempts: int = 0  # how many attempts it has been sent so far
 
 
 @dataclass(kw_only=True, slots=True)
@@ -151,10 +162,10 @@ class WeightSender:
         self._gens: Counter[str] = Counter()  # registrations and removals seen per actor id
         self._group_stale = False  # a member of `group` left or re-registered: the next attempt needs a new epoch
         self.membership = Membership()  # who is on probation (kept out of the sync's own epoch)
-        # (actor, registration) -> when it must have joined: the first attempt's deadline, kept across attempts cut
+        # (actor, registration) -> its deadline (the first attempt's) and attempts so far, kept across attempts cut
         # short (a catch-up ends when the next update begins), so a member that never joins is evicted once its
         # join_timeout_s has passed in all, not never (a step shorter than the deadline ended every attempt early).
-        self._join_by: dict[tuple[str, int], float] = {}
+        self._join_by: dict[tuple[str, int], Joining] = {}
         self._attempt: Attempt | None = None
         self._abort_why: str | None = None  # set when a member of the attempt in flight is removed
         self._serving: Serving | None = None
@@ -491,33 +502,47 @@ class WeightSender:
         }  # one per rank: each engine worker joins on its own
         every = [key for ks in keys.values() for key in ks]
         with self._lock:  # a registration that has ended since the attempt began gets no entry (none would drop it)
-            by = {
-                a: self._join_by.setdefault((a, att.gens[a]), att.joins_by) if self._gens[a] == att.gens[a] else att.joins_by
+            joining = {
+                a: self._join_by.setdefault((a, att.gens[a]), Joining(by=att.joins_by))
+                if self._gens[a] == att.gens[a]
+                else Joining(by=att.joins_by)
                 for a in att.members
             }
+            for j in joining.values():
+                j.attempts += 1
 
-        def settle(carry: bool) -> None:
+        def settle(carry: bool) -> list[str]:
             """A member that set its key has shown it can join: its next attempt starts afresh. One that has not keeps
-            its deadline only when `carry` (a catch-up cut short by the next update); any other end starts it afresh."""
+            its deadline only when `carry` (a catch-up cut short by the next update); any other end starts it afresh.
+            Returns the members that have not joined."""
             joined = {a for a, ks in keys.items() if self.control.check(ks)}  # store round trips, outside the lock
             with self._lock:
                 for a in att.members:
                     if a in joined or not carry:
                         self._join_by.pop((a, att.gens[a]), None)
+            return [a for a in att.members if a not in joined]
+
+        def repeat(blamed: list[str]) -> bool:
+            """Whether each member to blame had an earlier attempt in this registration (cut short: it was logged)."""
+            return bool(blamed) and all(joining[a].attempts > 1 for a in blamed)
 
         while not self.control.check(every):
             now = time.monotonic()
-            late = [a for a, ks in keys.items() if now > by[a] and not self.control.check(ks)]
+            late = [a for a, ks in keys.items() if now > joining[a].by and not self.control.check(ks)]
             if late:  # checked before a cut-short: the deadline counts across attempts
                 settle(carry=False)
                 missed = f"did not join a weight group epoch within weights.join_timeout_s = {self.cfg.join_timeout_s} s"
                 with self._lock:  # only the registration it was sent to: one that came back since is not to blame
                     stale = [a for a in late if self._gens[a] == att.gens[a]]
                 for a in stale:
-                    self._hub.evict(a, missed)
+                    n = joining[a].attempts
+                    self._hub.evict(a, f"{missed} ({n} attempt{'s' if n > 1 else ''})")
+                att.repeat = repeat(late)
                 raise Aborted(f"{late} {missed} (epoch {att.epoch})")
             if (why := self._why_abort(att)) is not None:
-                settle(carry=att.catchup and self._stop.is_set() and self._abort_why is None)
+                cut_short = att.catchup and self._stop.is_set() and self._abort_why is None
+                waiting = settle(carry=cut_short)
+                att.repeat = cut_short and repeat(waiting)
                 raise Aborted(why)
             time.sleep(JOIN_POLL_S)
         settle(carry=False)
@@ -590,7 +615,9 @@ class WeightSender:
             wg.close_group(dead, att.plan.backend)
         self._staging.drop()  # an abandoned gloo send may still read it: the next epoch stages into fresh memory
         self._serving.failed += 1
-        self.log.warning(
+        # A newcomer's catch-up is cut short at every update until it joins or its deadline evicts it: its first
+        # attempt's failure is the warning, the eviction (hub.actor_removed) counts the attempts.
+        (self.log.debug if att.repeat else self.log.warning)(
             "weights.attempt_failed",
             epoch=att.epoch,
             version=att.version,

@@ -10,11 +10,14 @@ runs the same with the learner on a GPU, where the member's epoch is NCCL.
 """
 
 import hashlib
+import logging
 import threading
 import time
 
 import pytest
+import structlog
 import torch
+from structlog.testing import capture_logs
 
 from deploy.tiny import build_tokenizer
 from learner.data.prompts import PromptSet, addition_items
@@ -223,7 +226,11 @@ def test_a_newcomer_that_never_joins_holds_nobody_up(learner):
 def test_a_newcomer_is_evicted_at_its_deadline_when_steps_are_shorter_than_it(learner):
     """Each optimizer step ends a newcomer's catch-up early. With steps shorter than weights.join_timeout_s, a
     deadline counted per attempt was never reached: the silent member stayed, and was sent a new epoch at every
-    step. The deadline counts from its first attempt, so it is evicted after join_timeout_s all the same."""
+    step. The deadline counts from its first attempt, so it is evicted after join_timeout_s all the same.
+
+    And it is said once: every cut used to be a weights.attempt_failed warning (and a weights.broadcast.failed
+    one), two lines per step. Now the first cut is the one warning, the later attempts are debug lines, and the
+    eviction says how many attempts there were; the failures are counted as before."""
     addr, hub, sender, params, opt, members = learner
     a = Member(addr, "a")
     members.append(a)
@@ -231,18 +238,33 @@ def test_a_newcomer_is_evicted_at_its_deadline_when_steps_are_shorter_than_it(le
     step(opt, params)
     sender.sync(1, hub)
     served([a], 1, timeout=QUICK_S + SLACK_S)
-    silent = Member(addr, "silent", "--silent")
-    members.append(silent)
-    silent.expect("ignored", version=1)
-    t0, version = time.monotonic(), 1
-    while hub.snapshot().get("hub/actors_evicted", 0) < 1:
-        assert time.monotonic() - t0 < JOIN_S + 3 * SLACK_S, "never evicted: every catch-up was cut short before its deadline"
-        version += 1
-        step(opt, params)  # ends the newcomer's catch-up in flight
-        sender.sync(version, hub)
-        served([a], version, timeout=QUICK_S + SLACK_S)
-        time.sleep(JOIN_S / 6)
+    level = structlog.get_config()["wrapper_class"]  # an earlier in-process setup_logging may filter at INFO
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as logs:
+            silent = Member(addr, "silent", "--silent")
+            members.append(silent)
+            silent.expect("ignored", version=1)
+            t0, version, counted = time.monotonic(), 1, 0.0
+            while hub.snapshot().get("hub/actors_evicted", 0) < 1:  # no step after it: its return is not cut short
+                assert time.monotonic() - t0 < JOIN_S + 3 * SLACK_S, "never evicted: every catch-up was cut short before its deadline"
+                version += 1
+                step(opt, params)  # ends the newcomer's catch-up in flight
+                counted += sender.sync(version, hub).get("weights/failed", 0.0)
+                served([a], version, timeout=QUICK_S + SLACK_S)
+                time.sleep(JOIN_S / 6)
+    finally:
+        structlog.configure(wrapper_class=level)
     print(f"evicted {time.monotonic() - t0:.1f} s after its first catch-up, {version - 1} steps later")
+    warnings = [(e["event"], e.get("members") or e.get("actor")) for e in logs if e["log_level"] == "warning"]
+    assert warnings == [("weights.attempt_failed", ["silent"]), ("hub.actor_removed", "silent")], warnings
+    [removed] = [e for e in logs if e["event"] == "hub.actor_removed"]
+    failed = [e for e in logs if e["event"] == "weights.attempt_failed"]
+    assert all(e["members"] == ["silent"] for e in failed) and len(failed) >= 3, failed  # several steps cut it short
+    assert removed["why"].endswith(f"({len(failed)} attempts)"), (removed["why"], len(failed))
+    # Counted as before, whatever their log level (+ 1: the returned newcomer's catch-up, if begun, cut short here).
+    counted += sender.wait().get("weights/failed", 0.0)
+    assert len(failed) <= counted <= len(failed) + 1, (counted, len(failed))
 
 
 # ---- on a GPU: the learner's epoch with the member is NCCL --------------------------------------------------

@@ -28,6 +28,8 @@ def test_long_phase_reports_progress(debug_level):
             raise OSError("disk full")
         with phase(structlog.get_logger(), "weights.broadcast", every_s=5.0, quiet=True):
             pass
+        with pytest.raises(RuntimeError), phase(structlog.get_logger(), "weights.broadcast", every_s=5.0, quiet=True):
+            raise RuntimeError("aborted")
     events = [(e["event"], e["log_level"]) for e in logs]
     still = [e for e in logs if e["event"] == "checkpoint.save.still"]
     assert events[0] == ("checkpoint.save.begin", "info") and 2 <= len(still) <= 4
@@ -38,3 +40,4 @@ def test_long_phase_reports_progress(debug_level):
     assert failed["path"] == "/y" and "disk full" in failed["error"]
     # a quiet phase that was quick says so only at debug level
     assert ("weights.broadcast.begin", "debug") in events and ("weights.broadcast.done", "debug") in events
+    assert ("weights.broadcast.failed", "debug") in events  # its caller says why, in its own line

@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from bench.learner_gpu_cases import CASES, GPU_CASES, Case
+from deploy.procs import path_with
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = {"fleetrl": "FleetRL", "plain": "plain PyTorch"}
@@ -55,7 +56,7 @@ def run_side(side: str, case: Case, args: argparse.Namespace, tmp: Path) -> dict
         "--out",
         str(out),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": path_with(ROOT)}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from deploy.procs import path_with
+
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [
     "train.prompts_per_step=8",
@@ -100,7 +102,7 @@ def run_stage(model_dir: Path, label: str, overrides: list[str], args) -> dict:
         str(args.updates),
         *overrides,
     ]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": path_with(ROOT)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")

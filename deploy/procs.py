@@ -19,6 +19,12 @@ from pathlib import Path
 GRACE_S = 20.0  # how long a child gets to exit after SIGTERM before SIGKILL
 
 
+def path_with(root: str | Path) -> str:
+    """PYTHONPATH for a child that must import from `root` too: `root` first, then what this process was given
+    (packages installed with --target, as on a machine the project is carried to, are found only through it)."""
+    return os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def spawn(argv: list[str], env: dict[str, str] | None = None, log: Path | None = None, cwd: str | Path | None = None) -> subprocess.Popen:
     """Start `argv` in its own process group, with `env` added to this environment; its output appended to `log`
     (default: inherited)."""

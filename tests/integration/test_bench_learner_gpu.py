@@ -35,12 +35,19 @@ def _number(cell: str) -> float:
     return float(cell.replace(",", "").rstrip("x%"))
 
 
-def test_smoke_reports_every_figure():
+def test_smoke_reports_every_figure(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}  # the sides make their own rendezvous
+    # On the GPU machine the carried packages are found only through PYTHONPATH (installed with --target): every
+    # side process must keep it. This folder on it marks each Python process that started with it.
+    site, seen = tmp_path / "site", tmp_path / "seen"
+    site.mkdir(), seen.mkdir()
+    (site / "sitecustomize.py").write_text(f"import os\nopen(os.path.join({str(seen)!r}, str(os.getpid())), 'w').close()\n")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "bench.learner_gpu", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert len(list(seen.iterdir())) >= 3, "the side processes lost PYTHONPATH"  # the bench and its two sides at least
     out = proc.stdout.splitlines()
     assert "command: python -m bench.learner_gpu --smoke" in out
     assert any(line.startswith("machine: CPU") and "torch 2." in line for line in out), out

@@ -46,6 +46,10 @@ class PlainLoop:
         device = next(model.parameters()).device
         self.device = device
         model.set_attn_implementation("sdpa")  # type: ignore[operator]
+        if device.type == "cuda":
+            # As FleetRL does (learner/train/attention/varlen.py): with cuDNN's SDPA a new padded length costs a plan
+            # build of ~3 ms per call, which would slow this baseline and flatter the FleetRL / plain ratio.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
         model.train()

@@ -241,7 +241,7 @@ class Actor:
                 if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.handshake_error = None
                     continue
-                cause = auth.handshake_failure(kind, value)
+                cause = auth.handshake_failure(kind, value, client_curve=self.keys is not None)
                 if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     self.log.error(
                         "actor.key_refused",

@@ -504,8 +504,14 @@ def test_an_actor_says_which_key_its_handshake_failed_on(tmp_path):
             "unlisted",
         )
         asyncio.run(run(unlisted, 5.0))
+        no_keys = Actor(load_config(None, ["rollout.samples_per_prompt=2", f"run.dir={tmp_path / 'run'}"]), addr, "no-keys")
+        assert no_keys.keys is None  # CURVE off on loopback
+        asyncio.run(run(no_keys, 1.5))
     finally:
         hub.stop()
+    # Without keys the learner's hang-up is no wrong key (there is none): CURVE is off here and on there.
+    [plain] = events("no-keys", "actor.handshake_failed")
+    assert plain["cause"].startswith("the learner uses CURVE and this client does not: set auth.server_key and auth.client_key")
     assert not wrong_server.stop.is_set() and wrong_server.exit_code == 0
     [failed] = events("wrong-server", "actor.handshake_failed")
     assert failed["cause"].startswith("the learner hung up during the CURVE handshake: auth.server_key is not")

@@ -225,6 +225,9 @@ def _nccl_group(
     (DeepSpeed's, vLLM's) keep theirs; the lock keeps two of ours from interleaving (setenv racing a getenv
     on another thread is the residual risk).
     """
+    # Called on a join thread, whose current device is 0 (a new thread's): anything on it that touches CUDA before the
+    # group's own device guard would make a context on GPU 0, taking memory from the engine or rank that owns it.
+    torch.cuda.set_device(device)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     with _env_lock:

@@ -45,6 +45,16 @@ def test_every_recipe_plans(path):
     text = render(p)
     for section in ("Placement", "Batch arithmetic", "Run length", "Memory per learner GPU"):
         assert section in text
+    # A GPU recipe keeps its engines' batches full: 8 prompts x 1 sample would leave a GPU engine nearly idle.
+    assert p.engine_sequences == cfg.actor.max_groups * cfg.rollout.samples_per_prompt
+    if path.stem != "demo":
+        assert p.engine_sequences >= cfg.actor.max_num_seqs and "part idle" not in text, (path.stem, p.engine_sequences)
+
+
+def test_plan_says_when_an_engine_would_run_part_idle():
+    text = render(make_plan(default("actor.max_groups=2", "actor.max_num_seqs=256")))
+    (row,) = [line for line in text.splitlines() if "sequences per engine" in line]
+    assert row.split()[3] == "16" and "a GPU engine would run part idle: actor.max_groups = 32 fills it" in row
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,9 @@ from protocol.config import Config, ConfigError
 
 GIB = float(1 << 30)
 FIT_SHARE = 0.9  # of a GPU's memory that model states and activations may take
+# What an actor's weight group takes on its GPU besides the landing buffer: NCCL's communicator buffers and the
+# memory the allocator keeps around them. An estimate: NCCL's own use depends on its channels and the topology.
+NCCL_RESERVE = 1.0 * GIB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -132,6 +135,9 @@ class Plan:
     arch_source: str
     gpu_memory: float  # bytes of one learner GPU (cluster.gpu_memory_gib)
     snapshot_bytes: float  # rank 0's full copy of the weights on its GPU (ZeRO-3, weights.snapshot = "device"), else 0
+    # memory per actor GPU, outside vLLM's share (actor.gpu_memory_utilization), which is sized before any sync
+    vllm_share: float  # actor.gpu_memory_utilization
+    landing_bytes: float | None  # each engine worker's receive buffer: the largest weight, or one bucket (None: unknown)
 
     @property
     def peak_bytes(self) -> float | None:
@@ -144,6 +150,14 @@ class Plan:
     def fits(self) -> bool | None:
         peak = self.peak_bytes
         return None if peak is None else peak <= FIT_SHARE * self.gpu_memory
+
+    @property
+    def actor_fits(self) -> bool | None:
+        """Whether an engine GPU has room, beside vLLM's share, for the weight group's buffers (a full tensor on
+        every tensor-parallel worker: each receives whole tensors and its loader keeps its slice)."""
+        if self.landing_bytes is None:
+            return None
+        return self.landing_bytes + NCCL_RESERVE <= (1 - self.vllm_share) * self.gpu_memory
 
 
 def _split(
@@ -327,10 +341,14 @@ def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
     gpu_bytes = (sum(totals) if c.colocate else max(totals)) if totals else None
     arch_path = config_json(cfg.model.path, cfg.model.arch)
     activations, arch_source = None, "unknown: set model.arch (no config.json at model.path here)"
+    landing: float | None = None
     if arch_path is not None and arch_path.is_file():
+        arch = read_arch(arch_path)
+        largest = max(arch.vocab * arch.hidden, arch.intermediate * arch.hidden)  # the embedding, or one MLP matrix
+        landing = float(max(largest * DTYPE_BYTES[cfg.model.dtype], cfg.weights.bucket_mb << 20))
         tokens = budget or -(-micro * longest // sp)  # sample-counted micro-batches: at their longest
         activations = activation_bytes(
-            read_arch(arch_path),
+            arch,
             tokens,
             DTYPE_BYTES[cfg.model.dtype],
             t.gradient_checkpointing,
@@ -398,6 +416,8 @@ def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
         snapshot_bytes=float((n_params or 0) * DTYPE_BYTES[cfg.model.dtype])
         if t.zero_stage == 3 and cfg.weights.snapshot == "device"
         else 0.0,
+        vllm_share=cfg.actor.gpu_memory_utilization,
+        landing_bytes=landing,
     )
 
 
@@ -534,4 +554,19 @@ def render(plan: Plan) -> str:
         )
     elif p.gpu_bytes is not None:
         memory.append(("per GPU", _gib(p.gpu_bytes), "model states only (activations unknown)"))
-    return _table([("Placement", placement), ("Batch arithmetic", batch), ("Run length", length), (title, memory)])
+    return _table([("Placement", placement), ("Batch arithmetic", batch), ("Run length", length), (title, memory), *_actor_memory(p)])
+
+
+def _actor_memory(p: Plan) -> list[tuple[str, Rows]]:
+    """The engine GPU's memory outside vLLM's share: what a weight sync allocates after vLLM sized its KV cache."""
+    if p.landing_bytes is None:
+        return []
+    outside = (1 - p.vllm_share) * p.gpu_memory
+    verdict = "fits" if p.actor_fits else "DOES NOT FIT: lower actor.gpu_memory_utilization"
+    rows: Rows = [
+        ("vLLM", _gib(p.vllm_share * p.gpu_memory), f"= {p.vllm_share:g} (actor.gpu_memory_utilization) x {_gib(p.gpu_memory)}"),
+        ("weight landing buffer", _gib(p.landing_bytes), "the largest weight, or one bucket (weights.bucket_mb), per engine GPU"),
+        ("NCCL", _gib(NCCL_RESERVE), "communicator buffers, an estimate"),
+        ("outside vLLM", _gib(outside), f"{verdict} (landing buffer + NCCL)"),
+    ]
+    return [("Memory per actor GPU (CUDA)", rows)]

@@ -49,6 +49,7 @@ def test_every_recipe_plans(path):
     assert p.engine_sequences == cfg.actor.max_groups * cfg.rollout.samples_per_prompt
     if path.stem != "demo":
         assert p.engine_sequences >= cfg.actor.max_num_seqs and "part idle" not in text, (path.stem, p.engine_sequences)
+        assert p.actor_fits is not False, path.stem
 
 
 def test_plan_says_when_an_engine_would_run_part_idle():
@@ -390,6 +391,19 @@ def test_zero3_snapshot_counts_on_rank_0_unless_kept_on_the_host():
     assert "weight snapshot" in render(device) and "weight snapshot" not in render(host)
     assert plan_of("orz_7b_ppo.toml").snapshot_bytes == 7_615_616_512 * 2
     assert plan_of("orz_7b_ppo.toml", "train.zero_stage=2").snapshot_bytes == 0  # ZeRO-2 serves from the parameters
+
+
+def test_an_engine_gpu_keeps_room_outside_vllm_for_the_weight_buffers():
+    """A sync allocates the landing buffer (the largest weight: 32B's embedding, 152,064 x 5,120 bf16) and NCCL's
+    buffers after vLLM took actor.gpu_memory_utilization of the GPU."""
+    p = plan_of("orz_32b_ppo.toml")
+    assert p.landing_bytes == 152_064 * 5_120 * 2 and p.actor_fits
+    assert "outside vLLM" in render(p) and "fits (landing buffer + NCCL)" in render(p)
+    tight = plan_of("orz_32b_ppo.toml", "actor.gpu_memory_utilization=0.99")
+    assert tight.actor_fits is False and "DOES NOT FIT: lower actor.gpu_memory_utilization" in render(tight)
+    assert plan_of("orz_0p5b_ppo.toml", "weights.bucket_mb=2048").landing_bytes == 2048 << 20  # a bucket above every weight
+    unknown = make_plan(default("model.path=/nonexistent"))
+    assert unknown.landing_bytes is None and unknown.actor_fits is None and "outside vLLM" not in render(unknown)
 
 
 ORZ_STOPS = ["User:", "Human:", "Assistant:", "</answer>"]

@@ -33,10 +33,12 @@ class Rollouts:
         self.cfg, self.engine, self.rewards, self.log = cfg, engine, rewards, log
         self.sampling = Sampling.rollout(cfg)
         self._reward_error_log = Throttle(1.0)
+        self._dropped_parts_log = Throttle(60.0)
 
-    async def train_group(self, grant: m.WorkGrant, actor_id: str, served: Callable[[], int]) -> m.RolloutGroup | None:
-        """The grant's group; None when the engine ended completions unfinished every time (not sent: the hub grants
-        the prompt again when its lease runs out)."""
+    async def train_group(self, grant: m.WorkGrant, actor_id: str, served: Callable[[], int]) -> m.RolloutGroup:
+        """The grant's group. One the engine ended unfinished GENERATE_ATTEMPTS times is still sent: the hub refuses
+        it (reason `finish`, no fault of this actor) and puts the prompt back in its queue at once, where a group
+        kept back here would hold it until its lease ran out."""
         t0 = time.perf_counter()
         for attempt in range(1, GENERATE_ATTEMPTS + 1):
             version_min = served()
@@ -47,13 +49,12 @@ class Rollouts:
             self.log.warning("actor.unfinished_completions", prompt_id=grant.prompt_id, reasons=unfinished, attempt=attempt)
         else:
             self.log.error(
-                "actor.group_dropped",
+                "actor.group_unfinished",
                 prompt_id=grant.prompt_id,
                 reasons=unfinished,
                 attempts=GENERATE_ATTEMPTS,
-                why=f"the engine ended completions {unfinished} every time; the hub re-grants it after staleness.lease_s",
+                why=f"the engine ended completions {unfinished} every time; sent for the hub to refuse and requeue",
             )
-            return None
         version_max = served()
         gen_s = time.perf_counter() - t0
         scores = await self.score(grant, completions, "train")
@@ -122,6 +123,15 @@ class Rollouts:
                 prompt_id=grant.prompt_id,
                 split=split,
                 first=scores.first_error,
+                suppressed=suppressed,
+            )
+        if scores.dropped_parts and (suppressed := self._dropped_parts_log.ready()) is not None:
+            self.log.warning(
+                "actor.reward_parts_dropped",
+                reward=self.cfg.rollout.reward_fn,
+                names=[name[: m.MAX_PART_NAME_CHARS] for name in scores.dropped_parts[:8]],
+                why=f"reward parts are metrics: at most {m.MAX_REWARD_PARTS} per group, names of 1..{m.MAX_PART_NAME_CHARS} "
+                "printable characters, finite values; the scores are kept",
                 suppressed=suppressed,
             )
         return scores

@@ -47,7 +47,7 @@ from learner.resume import (
     save_engines,
     write_learner_state,
 )
-from learner.rollout_stats import rollout_metrics
+from learner.rollout_stats import PART_PREFIX, rollout_metrics
 from learner.samples import SampleWriter
 from learner.train.batch import InvalidBatch
 from learner.train.distributed import Topology, init_distributed, make_topology
@@ -181,7 +181,8 @@ def _run_root(
     samples = SampleWriter(run_dir, cfg.log.samples_every_steps, cfg.log.samples_groups, tokenizer, prompts)
     metrics.rows.extend(kept_rows)  # the plot covers the whole run
     evaluator = Evaluator(cfg, data.eval_sets(), hub)
-    part_names: set[str] = set()  # the reward part names reported so far (learner/rollout_stats.py bounds them)
+    # The reward part names reported so far (learner/rollout_stats.py bounds them); a resumed run's included.
+    part_names = {key.removeprefix(PART_PREFIX) for row in kept_rows for key in row if key.startswith(PART_PREFIX)}
     # Checkpoints: from the model on rank 0, or under ZeRO-3 from the weight snapshot rank 0 already holds.
     hf = hf_writer(trainer.engine.module, tokenizer, sender.state_dict)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from protocol.messages import MAX_REWARD_PARTS, RolloutGroup
 
+PART_PREFIX = "reward/part/"
 MAX_RUN_PART_NAMES = 4 * MAX_REWARD_PARTS  # reward part names one run reports (a mix of datasets each with its own)
 
 
@@ -52,5 +53,5 @@ def rollout_metrics(
                 part_names.add(name)
             parts[name].append(table[:, j])
     for name in sorted(parts):
-        out[f"reward/part/{name}"] = float(np.concatenate(parts[name]).mean())
+        out[PART_PREFIX + name] = float(np.concatenate(parts[name]).mean(dtype=np.float64))  # float32 parts may be huge
     return out

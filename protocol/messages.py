@@ -28,6 +28,11 @@ MAX_REWARD_PARTS = 16  # names per group
 MAX_PART_NAME_CHARS = 64
 
 
+def part_name_ok(name: str) -> bool:
+    """A reward part name the wire carries: 1 to MAX_PART_NAME_CHARS printable characters."""
+    return 0 < len(name) <= MAX_PART_NAME_CHARS and name.isprintable()
+
+
 class ProtocolError(ValueError):
     """Input that is not a valid message; the text says what was wrong."""
 

@@ -12,7 +12,7 @@ import json
 import math
 import numbers
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -61,9 +61,8 @@ class Reward:
         """(score, parts), or raises: TypeError/ValueError for a result that is not a finite float (and parts)."""
         out = self.fn(ctx) if self.takes_context else self.fn(ctx.completion, ctx.answer)
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
-            score, parts = _number(out[0], "the score"), {_part_name(k): _number(v, f"part {k!r}") for k, v in out[1].items()}
-            if len(parts) > m.MAX_REWARD_PARTS:
-                raise ValueError(f"returned {len(parts)} reward parts; at most {m.MAX_REWARD_PARTS} (each becomes a metric)")
+            # Parts only feed metrics: one the wire cannot carry is dropped later (assemble), never the score with it.
+            score, parts = _number(out[0], "the score"), {str(k): _real(v, f"part {k!r}") for k, v in out[1].items()}
         elif isinstance(out, numbers.Real):
             score, parts = _number(out, "the score"), {}
         else:
@@ -72,20 +71,17 @@ class Reward:
 
 
 def _number(x: Any, what: str) -> float:
-    if not isinstance(x, numbers.Real):
-        raise TypeError(f"{what} is {type(x).__name__}, not a number")
-    value = float(x)
+    value = _real(x, what)
     # The hub rejects a whole group with a non-finite reward (float32 on the wire): make it this sample's error.
     if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
         raise ValueError(f"{what} is {value}, not a finite float32")
     return value
 
 
-def _part_name(key: Any) -> str:
-    name = str(key)
-    if not 0 < len(name) <= m.MAX_PART_NAME_CHARS or not name.isprintable():
-        raise ValueError(f"reward part name {name[: m.MAX_PART_NAME_CHARS]!r} must be 1..{m.MAX_PART_NAME_CHARS} printable characters")
-    return name
+def _real(x: Any, what: str) -> float:
+    if not isinstance(x, numbers.Real):
+        raise TypeError(f"{what} is {type(x).__name__}, not a number")
+    return float(x)
 
 
 def _arity(name: str, fn: Callable[..., Any]) -> int:
@@ -149,13 +145,18 @@ class GroupScores:
     part_names: list[str]  # k names, sorted: every part any completion of the group returned
     errors: int  # completions whose reward failed (scored 0)
     first_error: str | None  # the first failure's first line, for the log
+    dropped_parts: list[str] = field(default_factory=list)  # part names the wire cannot carry (assemble), for the log
 
 
 def assemble(outcomes: list[Outcome]) -> GroupScores:
     """Every completion gets every part name seen in its group; a part a completion did not return (or an error)
-    is 0 there. Completions that return different names, more than MAX_REWARD_PARTS in all, keep the first
-    MAX_REWARD_PARTS in sorted order (the hub refuses more)."""
-    names = sorted({name for o in outcomes for name in o.parts})[: m.MAX_REWARD_PARTS]
+    is 0 there. Parts are metrics only, so what the wire cannot carry is dropped and named in `dropped_parts`, the
+    scores kept: a name that is not 1..MAX_PART_NAME_CHARS printable characters, a non-finite float32 value, and
+    past the first MAX_REWARD_PARTS names in sorted order."""
+    seen = sorted({name for o in outcomes for name in o.parts})
+    carried = [n for n in seen if m.part_name_ok(n) and all(_float32(o.parts[n]) for o in outcomes if n in o.parts)]
+    names = carried[: m.MAX_REWARD_PARTS]
+    dropped = sorted(set(seen).difference(names))
     parts = np.asarray([[o.parts.get(name, 0.0) for name in names] for o in outcomes], dtype=np.float32).reshape(-1)
     errors = [o.error for o in outcomes if o.error is not None]
     return GroupScores(
@@ -164,4 +165,9 @@ def assemble(outcomes: list[Outcome]) -> GroupScores:
         part_names=names,
         errors=len(errors),
         first_error=errors[0] if errors else None,
+        dropped_parts=dropped,
     )
+
+
+def _float32(x: float) -> bool:
+    return math.isfinite(x) and abs(x) <= _FLOAT32_MAX

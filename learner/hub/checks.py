@@ -15,8 +15,8 @@ silently corrupted a learner before it was checked. Reasons (the hub counts each
              unlikely is, for every practical purpose, never sampled)
     finish   a finish reason other than "stop" or "length" (vLLM's "abort" and "error" end a completion that was
              never finished: it is not a sample of the policy)
-    reward   a reward, or a named reward part, beyond +-rollout.reward_bound: float32 rewards near 3e38
-             overflowed the advantages
+    reward   a reward beyond +-rollout.reward_bound: float32 rewards near 3e38 overflowed the advantages (named
+             reward parts only feed metrics, averaged in float64: any finite value is taken)
     parts    reward part names that are not 1..16 distinct names, sorted, of 1..64 printable characters (the
              actor's own form): each name becomes a metric, reward/part/<name>, so a rogue could mint them at will
 
@@ -85,10 +85,10 @@ def check_group(group: m.RolloutGroup, granted: np.ndarray, limits: GroupLimits)
     odd = sorted(set(group.finish_reasons).difference(m.FINISH_REASONS))
     if odd:
         return Refusal("finish", f"finish reasons {odd[:3]} are not {' or '.join(m.FINISH_REASONS)}")
-    for what, values in (("reward", group.rewards), ("reward part", group.reward_parts)):
-        if values.size and np.abs(values).max() > limits.reward_bound:
-            worst = float(values[np.abs(values).argmax()])
-            return Refusal("reward", f"{what} {worst:.4g} beyond +-{limits.reward_bound:g} (rollout.reward_bound)")
+    rewards = group.rewards
+    if np.abs(rewards).max() > limits.reward_bound:
+        worst = float(rewards[np.abs(rewards).argmax()])
+        return Refusal("reward", f"reward {worst:.4g} beyond +-{limits.reward_bound:g} (rollout.reward_bound)")
     names = group.reward_part_names
     if names and (problem := part_names_problem(names)) is not None:
         return Refusal("parts", problem)
@@ -101,7 +101,7 @@ def part_names_problem(names: list[str]) -> str | None:
     if len(names) > m.MAX_REWARD_PARTS:
         return f"{len(names)} reward part names, at most {m.MAX_REWARD_PARTS}"
     for name in names:
-        if not 0 < len(name) <= m.MAX_PART_NAME_CHARS or not name.isprintable():
+        if not m.part_name_ok(name):
             return f"reward part name {name[: m.MAX_PART_NAME_CHARS]!r} is not 1..{m.MAX_PART_NAME_CHARS} printable characters"
     if any(a >= b for a, b in itertools.pairwise(names)):
         return "reward part names are not distinct and sorted"

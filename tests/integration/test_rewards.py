@@ -64,9 +64,9 @@ def test_a_failing_reward_is_an_error_outcome_with_its_first_line():
     assert score_one(reward, ctx("raise")) == Outcome(0.0, {}, "RuntimeError: no such key")
     assert score_one(reward, ctx("nan")).error == "ValueError: the score is nan, not a finite float32"
     assert score_one(reward, ctx("text")).error == "TypeError: returned str; expected a float or (float, {name: float})"
-    # Part names become metrics: bounded in number and form (the hub refuses a group that breaks it, reason "parts").
-    assert score_one(reward, ctx("many parts")).error == "ValueError: returned 17 reward parts; at most 16 (each becomes a metric)"
-    assert score_one(reward, ctx("bad part name")).error == "ValueError: reward part name 'a\\nb' must be 1..64 printable characters"
+    # Parts are metrics: what the wire cannot carry is dropped when the group is assembled, never the score.
+    assert score_one(reward, ctx("many parts")) == Outcome(1.0, {f"p{i:02d}": 0.0 for i in range(17)})
+    assert score_one(reward, ctx("bad part name")) == Outcome(1.0, {"a\nb": 0.0})
 
 
 def test_group_parts_get_every_name_and_zero_where_missing():
@@ -79,6 +79,10 @@ def test_group_parts_get_every_name_and_zero_where_missing():
     plain = assemble([Outcome(1.0, {}), Outcome(0.0, {})])
     spread = assemble([Outcome(1.0, {f"p{i:02d}": 1.0 for i in range(10)}), Outcome(1.0, {f"q{i:02d}": 1.0 for i in range(10)})])
     assert spread.part_names == [f"p{i:02d}" for i in range(10)] + [f"q{i:02d}" for i in range(6)]  # 16, the most the hub takes
+    assert spread.dropped_parts == [f"q{i:02d}" for i in range(6, 10)] and spread.rewards.tolist() == [1.0, 1.0]
+    odd = assemble([Outcome(0.5, {"ok": 1.0, "a\nb": 1.0, "": 2.0, "x" * 65: 3.0, "inf": float("inf")}), Outcome(1.0, {"big": 1e39})])
+    assert odd.part_names == ["ok"] and odd.parts.tolist() == [1.0, 0.0] and odd.rewards.tolist() == [0.5, 1.0]
+    assert odd.dropped_parts == sorted(["a\nb", "", "x" * 65, "inf", "big"]) and odd.errors == 0
     assert plain.part_names == [] and plain.parts.shape == (0,) and plain.parts.dtype == np.float32
 
 
@@ -352,3 +356,8 @@ def test_actor_fills_the_groups_reward_fields():
             },
         )
     ]
+    completions[0].text = "many parts"  # 17 parts, one more than a group carries: the last is dropped, the score kept
+    scores, log = run(main(grant, "tests.reward_fns:behaves"))
+    assert scores.rewards.tolist() == [1.0, 1.0] and scores.errors == 0 and len(scores.part_names) == 16
+    [(event, fields)] = log
+    assert event == "actor.reward_parts_dropped" and fields["names"] == ["p16"]

@@ -379,9 +379,7 @@ class Actor:
     async def _run_grant(self, grant: m.WorkGrant) -> None:
         await self._serving(grant.policy_version)
         assert self.rollouts is not None
-        group = await self.rollouts.train_group(grant, self.actor_id, lambda: self.served_version)
-        if group is not None:
-            await self._send(group)
+        await self._send(await self.rollouts.train_group(grant, self.actor_id, lambda: self.served_version))
 
     async def _run_eval(self, grant: m.EvalGrant) -> None:
         await self._serving(grant.policy_version)

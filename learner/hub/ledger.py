@@ -107,16 +107,17 @@ class Ledger:
         entry.state, entry.actor, entry.lapsed = State.RECEIVED, None, ()
         return True
 
-    def requeue(self, key: Key, reason: str) -> None:
-        """Back to pending, at the front of the queue (it has waited longest). A grant that lapsed (its lease ran
-        out, its actor was declared dead) leaves that actor free to deliver it late."""
+    def requeue(self, key: Key, reason: str, front: bool = True) -> None:
+        """Back to pending, at the front of the queue (it has waited longest), or at its back (`front=False`: the
+        prompt itself may be why it came back, and must not take the next grant again). A grant that lapsed (its
+        lease ran out, its actor was declared dead) leaves that actor free to deliver it late."""
         entry = self.entries[key]
         assert entry.state in (State.GRANTED, State.RECEIVED), f"requeue of {key} in state {entry.state}"
         holder = entry.actor
         if entry.state is State.GRANTED and reason in ("lease", "dead") and holder is not None and holder not in entry.lapsed:
             entry.lapsed = (*entry.lapsed, holder)
         entry.state, entry.actor = State.PENDING, None
-        self.queue.appendleft(key)
+        (self.queue.appendleft if front else self.queue.append)(key)
         self.counts[f"requeued_{reason}"] += 1
 
     def trained(self, key: Key) -> None:

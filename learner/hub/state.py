@@ -29,6 +29,12 @@ from protocol import messages as m
 from protocol.config import Config
 from protocol.logs import get_logger
 
+# Refusals that are no actor's fault, so never a strike toward quarantine: a `reward` out of bounds is the run's
+# own reward function, the same on every actor (quarantining would shut out the whole fleet; it is logged for the
+# operator); a `finish` reason other than stop or length is vLLM's (an actor regenerates such groups before it
+# sends one, actors/rollout.py, and one from before that change must not be shut out for it).
+NO_FAULT = frozenset({"reward", "finish"})
+
 
 class HubState:
     def __init__(self, cfg: Config, prompts: PromptSet, now: float, vocab_size: int | None = None):
@@ -172,9 +178,7 @@ class HubState:
         if self.ledger.entries[group_key].state in (State.GRANTED, State.PENDING):  # duplicates are dropped unread
             refusal = check_group(msg, self.prompts[msg.prompt_id].tokens, self.limits)
             if refusal is not None:
-                # The reward is the run's reward function, the same on every actor: out of bounds, it is the
-                # operator's to fix (logged), not an actor to shut out, which would shut out the whole fleet.
-                return self._refuse(identity, state, msg.actor_id, group_key, now, refusal, strike=refusal.reason != "reward")
+                return self._refuse(identity, state, msg.actor_id, group_key, now, refusal, strike=refusal.reason not in NO_FAULT)
         state.held.discard(group_key)
         if self.ledger.receive(group_key):
             state.groups += 1
@@ -242,9 +246,10 @@ class HubState:
         """A group not admitted: counted by reason, its prompt back to the queue, the actor told which check failed.
         With `strike` (the actor's fault) it counts toward quarantining the actor."""
         self.counters[f"rejected_{refusal.reason}"] += 1
-        self._take_back(state, actor_id, key)
+        # A reward out of bounds may be this prompt's every time: behind the queue, it cannot take every next grant.
+        self._take_back(state, actor_id, key, front=refusal.reason != "reward")
         out = [error_reply(identity, "rejected", f"group for prompt {key[1]} (epoch {key[0]}) refused, {refusal.reason}: {refusal.detail}")]
-        if strike or refusal.reason == "reward":
+        if strike or refusal.reason in NO_FAULT:
             self.log.warning("hub.group_rejected", actor=actor_id, key=key, reason=refusal.reason, detail=refusal.detail[:MAX_DETAIL])
         if strike:
             strikes = self.quarantine.strike(actor_id, now)
@@ -272,12 +277,12 @@ class HubState:
                 )
         return [*out, *self.pump(now)]
 
-    def _take_back(self, state: ActorState, actor_id: str, key: Key) -> None:
+    def _take_back(self, state: ActorState, actor_id: str, key: Key, front: bool = True) -> None:
         """A rejected group's prompt goes back to the queue now, not at its lease's end, and frees the actor's slot
         (its requests are capacities)."""
         if key in state.held and self.ledger.entries[key].actor == actor_id:
             state.held.discard(key)
-            self.ledger.requeue(key, "rejected")
+            self.ledger.requeue(key, "rejected", front)
 
     # ---- dispatch -------------------------------------------------------------------------------
     def outstanding(self) -> int:

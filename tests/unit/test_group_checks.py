@@ -77,7 +77,6 @@ ROWS = {  # what an admitted actor sent -> the check that refuses it (hub/reject
     "empty prompt": (lambda g: setattr(g, "prompt_tokens", np.zeros(0, np.int32)), "prompt"),
     "logprob -200": (lambda g: g.behaviour_logprobs.__setitem__(0, np.float32(-200)), "logprob"),
     "finish reason abort": (lambda g: g.finish_reasons.__setitem__(2, "abort"), "finish"),
-    "reward part 1e9": (with_parts("format", value=1e9), "reward"),
     "17 reward part names": (with_parts(*(f"p{i:02d}" for i in range(17))), "parts"),
     "unsorted part names": (with_parts("b", "a"), "parts"),
     "repeated part name": (with_parts("a", "a"), "parts"),
@@ -99,10 +98,23 @@ def test_a_bad_group_is_refused_counted_requeued_and_explained(prompts, row):
     assert err.code == "rejected" and f"refused, {reason}:" in err.detail
     assert state.counters[f"rejected_{reason}"] == 1 and not state.buffer
     assert state.ledger.state_counts()["received"] == 0 and state.ledger.counts["requeued_rejected"] == 1
-    assert state.actors["a0"].held == set()  # its slot is free; the prompt is first in the queue
-    again = grant(state, now=1.5)
-    assert [(x.epoch, x.prompt_id) for x in again] == [(g.epoch, g.prompt_id)]
+    assert state.actors["a0"].held == set()  # its slot is free
+    key = (g.epoch, g.prompt_id)
+    if reason == "reward":  # perhaps this prompt's reward every time: last in the queue, not the next grant again
+        assert state.ledger.queue[-1] == key and state.ledger.queue[0] != key
+        state.ledger.queue.remove(key)
+        state.ledger.queue.appendleft(key)
+    again = grant(state, now=1.5)  # first in the queue
+    assert [(x.epoch, x.prompt_id) for x in again] == [key]
     assert not errors(state.handle(A, group_for(again[0]), 2.0)) and len(state.buffer) == 1  # the honest group goes in
+
+
+def test_reward_parts_are_metrics_and_any_finite_value_is_taken(prompts):
+    state = hub(prompts)
+    (g,) = grant(state)
+    group = group_for(g)
+    with_parts("length", value=3e38)(group)
+    assert not errors(state.handle(A, group, 1.0)) and len(state.buffer) == 1
 
 
 def test_a_group_for_a_prompt_never_granted_is_refused(prompts):
@@ -200,6 +212,14 @@ def test_refusals_that_are_not_the_actors_fault_never_quarantine_it(prompts):
         bad.rewards[0] = 1e9
         assert [e.code for e in errors(state.handle(A, bad, t))] == ["rejected"]
     assert "a0" in state.actors and state.counters["rejected_reward"] == 3
+    # A finish reason other than stop or length is vLLM's doing (an actor from before actors/rollout.py regenerated
+    # such groups would send them): refused, never a strike.
+    for t in (3.1, 3.2):
+        (g,) = grant(state, now=t)
+        unfinished = group_for(g)
+        unfinished.finish_reasons[0] = "abort"
+        assert [e.code for e in errors(state.handle(A, unfinished, t))] == ["rejected"]
+    assert "a0" in state.actors and state.counters["rejected_finish"] == 2
     pending = state.ledger.next_pending()  # a real prompt, granted to nobody now
     state.ledger.queue.appendleft(pending)
     late = rollout_group(n=3, prompt_id=pending[1], epoch=pending[0])

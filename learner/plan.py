@@ -137,7 +137,8 @@ class Plan:
     snapshot_bytes: float  # rank 0's full copy of the weights on its GPU (ZeRO-3, weights.snapshot = "device"), else 0
     # memory per actor GPU, outside vLLM's share (actor.gpu_memory_utilization), which is sized before any sync
     vllm_share: float  # actor.gpu_memory_utilization
-    landing_bytes: float | None  # each engine worker's receive buffer: the largest weight, or one bucket (None: unknown)
+    landing_bytes: float | None  # each engine worker's receive buffer: the largest weight, or one bucket (None: unknown,
+    # or actor.device = "cpu")
 
     @property
     def peak_bytes(self) -> float | None:
@@ -417,7 +418,7 @@ def make_plan(cfg: Config, num_prompts: int | None = None) -> Plan:
         if t.zero_stage == 3 and cfg.weights.snapshot == "device"
         else 0.0,
         vllm_share=cfg.actor.gpu_memory_utilization,
-        landing_bytes=landing,
+        landing_bytes=landing if cfg.actor.device != "cpu" else None,
     )
 
 
@@ -569,4 +570,4 @@ def _actor_memory(p: Plan) -> list[tuple[str, Rows]]:
         ("NCCL", _gib(NCCL_RESERVE), "communicator buffers, an estimate"),
         ("outside vLLM", _gib(outside), f"{verdict} (landing buffer + NCCL)"),
     ]
-    return [("Memory per actor GPU (CUDA)", rows)]
+    return [(f"Memory per actor GPU (CUDA, {_gib(p.gpu_memory)} as the learner's: cluster.gpu_memory_gib)", rows)]

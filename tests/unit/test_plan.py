@@ -404,6 +404,8 @@ def test_an_engine_gpu_keeps_room_outside_vllm_for_the_weight_buffers():
     assert plan_of("orz_0p5b_ppo.toml", "weights.bucket_mb=2048").landing_bytes == 2048 << 20  # a bucket above every weight
     unknown = make_plan(default("model.path=/nonexistent"))
     assert unknown.landing_bytes is None and unknown.actor_fits is None and "outside vLLM" not in render(unknown)
+    on_cpu = plan_of("orz_0p5b_ppo.toml", "actor.device=cpu")
+    assert on_cpu.landing_bytes is None and "Memory per actor GPU" not in render(on_cpu)
 
 
 ORZ_STOPS = ["User:", "Human:", "Assistant:", "</answer>"]

@@ -550,7 +550,7 @@ def test_ctl_and_status_name_the_key_flag_to_fix_when_the_handshake_fails(tmp_pa
     before = hub.max_staleness, plain.max_staleness
     try:
         for command, learner, key_flags, needle in cases:
-            argv = [command, "--learner", learner, *key_flags, "--timeout", "5"]
+            argv = [command, "--learner", learner, *key_flags, "--timeout", "30"]
             argv += ["set", "max_staleness", str(before[0] + 1)] if command == "ctl" else ["--once"]
             t0 = time.monotonic()
             assert cli(argv) == 1, argv
@@ -558,7 +558,7 @@ def test_ctl_and_status_name_the_key_flag_to_fix_when_the_handshake_fails(tmp_pa
             # One line of its own (the hubs' log lines share stderr once a test before this one has set up logging).
             [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fleetrl ")]
             assert line.startswith(f"fleetrl {command}: {learner}: ") and needle in line, (argv, line)
-            assert took < 2.5, (argv, took)  # at the first handshake, not at --timeout
+            assert took < 10, (argv, took)  # at the first handshake, not at --timeout (30 s)
         assert (hub.max_staleness, plain.max_staleness) == before
     finally:
         hub.stop()

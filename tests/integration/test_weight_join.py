@@ -256,7 +256,9 @@ def test_a_newcomer_is_evicted_at_its_deadline_when_steps_are_shorter_than_it(le
     finally:
         structlog.configure(wrapper_class=level)
     print(f"evicted {time.monotonic() - t0:.1f} s after its first catch-up, {version - 1} steps later")
+    # The silent member's warnings only: on a loaded machine the good members may have warnings of their own.
     warnings = [(e["event"], e.get("members") or e.get("actor")) for e in logs if e["log_level"] == "warning"]
+    warnings = [w for w in warnings if w[1] in (["silent"], "silent")]
     assert warnings == [("weights.attempt_failed", ["silent"]), ("hub.actor_removed", "silent")], warnings
     [removed] = [e for e in logs if e["event"] == "hub.actor_removed"]
     failed = [e for e in logs if e["event"] == "weights.attempt_failed"]

@@ -101,13 +101,15 @@ def engine_args(cfg: Config, on_cuda: bool) -> dict[str, Any]:
         tensor_parallel_size=cfg.cluster.tensor_parallel_size,
         # CUDA graphs on GPUs (a decode step is otherwise bound by kernel launches). The CPU build has none to capture.
         enforce_eager=not on_cuda,
-        enable_prefix_caching=False,
+        enable_prefix_caching=cfg.actor.prefix_cached(on_cuda),
         logprobs_mode="processed_logprobs",
         worker_extension_cls="actors.worker_ext.FleetWeightReceiver",
         disable_log_stats=True,  # its Prometheus counters cost the actor 7% of its time (py-spy); FleetRL logs its own
     )
     if on_cuda:
         args["gpu_memory_utilization"] = cfg.actor.gpu_memory_utilization
+    if cfg.actor.block_size:
+        args["block_size"] = cfg.actor.block_size
     return args
 
 
@@ -121,6 +123,10 @@ class Engine:
         on_cuda = cfg.actor.on_cuda()
         engine_env(cfg, on_cuda)
         self.cfg = cfg
+        self.prefix_caching = cfg.actor.prefix_cached(on_cuda)
+        # Counts weight loads begun: a request's prefix-cache salt, so that its KV blocks are shared only with
+        # requests started under the same weights (a version number would not do: a resumed learner reuses them).
+        self.weights_loads = 0
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg, on_cuda)))
         from transformers import AutoTokenizer
 
@@ -157,7 +163,10 @@ class Engine:
             include_stop_str_in_output=s.include_stop_str,
         )
         final = None
-        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_tokens])
+        ids = [int(t) for t in prompt_tokens]
+        prompt = (
+            TokensPrompt(prompt_token_ids=ids, cache_salt=self.cache_salt()) if self.prefix_caching else TokensPrompt(prompt_token_ids=ids)
+        )
         async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
             final = out
         assert final is not None and len(final.outputs) == n, "engine returned no or partial output"
@@ -187,6 +196,10 @@ class Engine:
                 )
             )
         return completions
+
+    def cache_salt(self) -> str:
+        """The prefix-cache salt of a request started now: the weights it starts under."""
+        return f"weights-{self.weights_loads}"
 
     async def warm_up(self) -> None:
         """One throwaway request: the engine's first is slow (1.7 s for the demo model here, 0.03 s after: lazy
@@ -237,6 +250,7 @@ class Engine:
         # AsyncLLM.pause_generation is this call plus a 20 ms sleep "not required for correctness" (vLLM's
         # words: it lets outputs already produced reach their callers first). It is a stall on every sync.
         await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        self.weights_loads += 1  # requests from here on (they start once it resumes) share no cached KV with earlier ones
         torn = False
         try:
             # Every worker runs it at once (one per GPU with tensor parallelism), each as its own rank.

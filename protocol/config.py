@@ -173,7 +173,9 @@ class HubConfig:
     actor_timeout_s: float = 30.0  # an actor silent this long is declared dead
     quarantine_after: int = 3  # refused groups within quarantine_window_s that get an actor quarantined (0 = never)
     quarantine_window_s: float = 600.0  # the window those refusals are counted over
-    quarantine_s: float = 3600.0  # how long a quarantined actor's id and connection are refused (a --resume keeps the time left; a fresh learner forgets it)
+    quarantine_s: float = (
+        3600.0  # how long a quarantined actor's id and connection are refused (a --resume keeps the time left; a fresh learner forgets it)
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -226,8 +228,17 @@ class ActorConfig:
     # - "vllm": vLLM's own choice, a prepacked oneDNN or sgl-kernel copy of each weight (faster for large bf16
     #   models, by vLLM's measurements), rebuilt after every sync (actors/worker_ext.py).
     cpu_gemm: str = "torch"
+    # vLLM's prefix cache: a group's n completions share their prompt's KV blocks instead of holding n copies (64 x
+    # a 2k-token prompt in the ORZ recipes). Each request is salted with the weights it started under
+    # (actors/engine.py), so no cached block outlives a weight sync. "auto": on with CUDA, off on the CPU (short
+    # prompts there, shorter than a block). "on" | "off" force it.
+    prefix_caching: str = "auto"
+    block_size: int = 0  # KV-cache block in tokens (0: vLLM's choice); the prefix cache shares whole blocks only
     max_groups: int = 8  # prompts an actor holds at once (asks for more below this)
     cpu_affinity: str = ""  # CPU ids the actor and its engine processes may run on, e.g. "1" ("" = all)
+
+    def prefix_cached(self, on_cuda: bool) -> bool:
+        return self.prefix_caching == "on" or (self.prefix_caching == "auto" and on_cuda)
 
     def on_cuda(self) -> bool:
         """Whether the engine runs on CUDA. "auto" asks torch, so it is imported only when this is called."""
@@ -450,6 +461,8 @@ def _check(cfg: Config) -> None:
     need(cfg.actor.max_model_len > cfg.rollout.max_tokens, "actor.max_model_len", "must exceed rollout.max_tokens")
     need(cfg.actor.max_groups >= 1, "actor.max_groups", "must be >= 1")
     need(cfg.actor.device in ("auto", "cpu", "cuda"), "actor.device", f"{cfg.actor.device!r} must be auto, cpu or cuda")
+    need(cfg.actor.prefix_caching in ("auto", "on", "off"), "actor.prefix_caching", f"{cfg.actor.prefix_caching!r} must be auto, on or off")
+    need(cfg.actor.block_size >= 0, "actor.block_size", "must be >= 0 (0: vLLM's choice)")
     need(0 < cfg.actor.gpu_memory_utilization <= 1, "actor.gpu_memory_utilization", "must be in (0, 1]")
     # CPU-only fields: a GPU actor neither sets nor checks them. Each check asks on_cuda() only once it has
     # failed, so a CPU run (and a learner, which shares this file) never imports torch for it.

@@ -134,6 +134,12 @@ def test_engine_on_cuda_gets_gpu_arguments_and_no_cpu_knobs(monkeypatch):
     assert cpu["enforce_eager"] is True and "gpu_memory_utilization" not in cpu
     assert gpu["enforce_eager"] is False and gpu["gpu_memory_utilization"] == 0.5  # CUDA graphs on
     assert cpu["tensor_parallel_size"] == gpu["tensor_parallel_size"] == 2
+    assert gpu["enable_prefix_caching"] is True and cpu["enable_prefix_caching"] is False  # "auto": salted, on with CUDA
+    assert "block_size" not in gpu  # vLLM's choice
+    off = engine_args(load_config(None, ["actor.prefix_caching=off", "actor.block_size=32"]), on_cuda=True)
+    assert off["enable_prefix_caching"] is False and off["block_size"] == 32
+    with pytest.raises(ConfigError, match=r"actor\.prefix_caching"):
+        load_config(None, ["actor.prefix_caching=yes"])
     cpu_vars = (
         "VLLM_CPU_KVCACHE_SPACE",
         "VLLM_CPU_OMP_THREADS_BIND",

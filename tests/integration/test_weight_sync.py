@@ -78,7 +78,9 @@ def setup(tmp_path_factory, request):
             f"model.path={path}",
             "rollout.temperature=0.7",
             "rollout.max_tokens=12",
-            "actor.max_model_len=32",
+            "actor.max_model_len=64",
+            "actor.prefix_caching=on",  # its salt is proven below; a block of 32 tokens lets a test prompt fill one
+            "actor.block_size=32",
             "weights.bucket_mb=1",
             f"actor.cpu_gemm={request.param}",
         ],
@@ -202,3 +204,38 @@ def test_completion_text_is_what_vllm_would_detokenize(setup):
     assert [c.token_ids.tolist() for c in ours] == [ids for ids, _ in theirs]  # same seed, same samples
     assert [c.text for c in ours] == [text for _, text in theirs]
     assert any(c.text for c in ours) and all(len(c.logprobs) == len(c.token_ids) for c in ours)
+
+
+def test_the_prefix_cache_never_outlives_a_sync(setup):
+    """With prefix caching a group's completions share their prompt's KV blocks, and a later request for the same
+    prompt reuses them. Computed under older weights they would be stale: each request is salted with the weights
+    it starts under (Engine.cache_salt). Shown both ways: salted, the logprobs match the learner's after a sync;
+    with one salt for all, the cached blocks of the old weights make them wrong."""
+    cfg, engine, model, loop = setup
+    assert engine.prefix_caching
+    prompt = np.array([(5 * i + 3) % 19 + 1 for i in range(40)], dtype=np.int32)  # a 32-token block, and more
+    temperature = cfg.rollout.temperature
+    assert max_mismatch(engine, model, prompt, temperature) < 1e-4  # in sync with the learner's copy; now cached
+    sender = WeightSender.for_params(cfg.weights, list(model.named_parameters()), "float32")
+    hub = DirectHub(["engine-cache"])
+
+    def perturb(seed):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+
+    perturb(1)
+    _sync(cfg, engine, sender, hub, 10, loop)
+    assert max_mismatch(engine, model, prompt, temperature) < 1e-4  # the cached blocks of the old weights are not hit
+
+    engine.cache_salt = lambda: "one salt for all weights"  # what an unsalted prefix cache does
+    try:
+        assert max_mismatch(engine, model, prompt, temperature) < 1e-4  # cached under this salt, with these weights
+        perturb(2)
+        _sync(cfg, engine, sender, hub, 11, loop)
+        stale = max_mismatch(engine, model, prompt, temperature)
+    finally:
+        del engine.cache_salt
+    assert stale > 0.01, f"the cache was not hit ({stale}): this test would prove nothing"
+    assert max_mismatch(engine, model, prompt, temperature) < 1e-4  # salted again: computed afresh

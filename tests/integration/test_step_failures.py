@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from bench.synthetic import synthetic_groups
+from learner.train.losses import value_loss
 
 STEPS = 2  # train.mini_batches: optimizer steps per update
 
 
 class PoisonedLoss:
-    """The trainer's policy loss, made NaN in the optimizer steps listed (counted in micro-batch calls)."""
+    """A loss (the trainer's policy loss, or the critic's value_loss) made NaN in the optimizer steps listed (counted in
+    micro-batch calls)."""
 
     def __init__(self, inner, poison_calls: set[int]):
         self.inner, self.poison, self.calls = inner, poison_calls, 0
@@ -124,22 +126,6 @@ def test_a_non_finite_step_that_deepspeed_applied_stops_the_learner(tiny_model_d
         trainer.update(one_share(cfg, trainer))
 
 
-class PoisonedValueLoss:
-    """learner.train.trainer.value_loss, made NaN in the critic's optimizer steps listed (in calls)."""
-
-    def __init__(self, poison_calls: set[int]):
-        from learner.train import losses
-
-        self.inner, self.poison, self.calls = losses.value_loss, poison_calls, 0
-
-    def __call__(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
-        if self.calls in self.poison:
-            out.loss = out.loss * float("nan")
-        self.calls += 1
-        return out
-
-
 def critic_weights(trainer):
     return torch.cat([p.detach().reshape(-1).clone() for p in trainer.critic.module.parameters()])
 
@@ -150,7 +136,7 @@ def test_a_skipped_critic_step_is_reported_and_leaves_the_policy_alone(tiny_mode
     cfg, trainer = make_trainer(tiny_model_dir, "train.zero_stage=2", "algo.advantage=gae", "algo.critic_lr=1e-3")
     share = one_share(cfg, trainer)
     trainer.update(share)  # past WarmupLR's first step at lr 0
-    monkeypatch.setattr("learner.train.trainer.value_loss", PoisonedValueLoss({0, 1}))
+    monkeypatch.setattr("learner.train.trainer.value_loss", PoisonedLoss(value_loss, {0, 1}))
     critic_before, policy_before = critic_weights(trainer), weights(trainer)
     stats = trainer.update(share)
     assert stats.critic_failed_steps == [0, 1] and stats.failed_steps == [] and stats.applied_steps == STEPS
@@ -162,6 +148,6 @@ def test_a_non_finite_critic_step_that_deepspeed_applied_stops_the_learner(tiny_
     from learner.train.step_check import NonFiniteStep
 
     cfg, trainer = make_trainer(tiny_model_dir, "train.zero_stage=0", "algo.advantage=gae", "algo.critic_lr=1e-3")
-    monkeypatch.setattr("learner.train.trainer.value_loss", PoisonedValueLoss({1}))
+    monkeypatch.setattr("learner.train.trainer.value_loss", PoisonedLoss(value_loss, {1}))
     with pytest.raises(NonFiniteStep, match="critic optimizer step 1 of this update applied a non-finite"):
         trainer.update(one_share(cfg, trainer))

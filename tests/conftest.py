@@ -204,5 +204,13 @@ def torchrun_driver(driver: str, nproc: int, out: Path, *args: str, accelerator:
     if accelerator == "cpu":
         env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and out.exists() and GLOO_TEARDOWN_ABORT in proc.stderr:
+        # The drivers write their result, then every rank passes a barrier: all of them finished. gloo, now and then,
+        # aborts a finished rank as its process ends (learner/train/distributed.py): not what these tests are about.
+        print(f"torchrun {driver}: a rank aborted in its teardown after the run finished (exit {proc.returncode})")
+        return json.loads(out.read_text())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"

@@ -88,6 +88,9 @@ def main() -> None:
             )
         )
 
+    # Every rank leaves together, once the result is on disk: a rank's exit then cannot cut the others short.
+    torch.distributed.barrier()
+
 
 if __name__ == "__main__":
     main()

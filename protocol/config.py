@@ -173,9 +173,8 @@ class HubConfig:
     actor_timeout_s: float = 30.0  # an actor silent this long is declared dead
     quarantine_after: int = 3  # refused groups within quarantine_window_s that get an actor quarantined (0 = never)
     quarantine_window_s: float = 600.0  # the window those refusals are counted over
-    quarantine_s: float = (
-        3600.0  # how long a quarantined actor's id and connection are refused (a --resume keeps the time left; a fresh learner forgets it)
-    )
+    # how long a quarantined actor's id and connection are refused (a --resume keeps the time left; a fresh learner forgets it)
+    quarantine_s: float = 3600.0
 
 
 @dataclass(kw_only=True, slots=True)

@@ -45,6 +45,7 @@ from learner.resume import (
     read_learner_state,
     restore_metrics,
     save_engines,
+    set_aside_previous_run,
     write_learner_state,
 )
 from learner.rollout_stats import PART_PREFIX, rollout_metrics
@@ -79,6 +80,10 @@ def _run_rank(cfg: Config, resume: bool) -> int:
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     log = setup_logging("learner", learner_log_file(run_dir, topo.rank), policy_version=0, rank=topo.rank)
+    if topo.is_root and not resume:
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}"
+        if (aside := set_aside_previous_run(run_dir, stamp)) is not None:
+            log.warning("learner.previous_run_set_aside", moved_to=str(aside), hint="to continue a run, start it with --resume")
     pin_cpus(parse_cpus(cfg.train.cpu_affinity, "train.cpu_affinity"))
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.run.seed)

@@ -171,3 +171,23 @@ def discard_newer(run_dir: Path, step: int) -> None:
     best = folder / "best.json"
     if best.exists() and json.loads(best.read_text()).get("step", 0) > step:
         best.unlink()
+
+
+# What one run writes into run.dir and a later run must not mix with its own (logs/ and config.toml are the
+# launcher's and the actors', shared by every start).
+RUN_OUTPUTS = ("metrics.jsonl", "samples.jsonl", "reward_curve.png", "tensorboard", "checkpoints")
+
+
+def set_aside_previous_run(run_dir: Path, stamp: str) -> Path | None:
+    """A fresh start (no --resume) in a run.dir that holds another run's outputs: move them into
+    run_dir/previous-`stamp`/, so that nothing is lost and nothing is mixed. Appended to, the old metrics.jsonl made
+    the new run's curve and summary count both runs, and a later --resume could take the old run's checkpoint.
+    Returns the folder, or None when there was nothing to move. Rank 0 only, before anything is written."""
+    found = [run_dir / name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if not found:
+        return None
+    aside = run_dir / f"previous-{stamp}"
+    aside.mkdir()
+    for path in found:
+        path.rename(aside / path.name)
+    return aside

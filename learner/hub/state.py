@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from learner.data.prompts import PromptSet
-from learner.hub import staleness as st
+from learner import staleness as st
 from learner.hub.checks import GroupLimits, Refusal, check_group
 from learner.hub.evaluation import EvalRound
 from learner.hub.ledger import Key, Ledger, State

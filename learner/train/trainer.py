@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner.hub import staleness as st
+from learner import staleness as st
 from learner.plan import Plan
 from learner.train.advantages import GroupAdvantage, make_advantage
 from learner.train.attention.varlen import disable_cudnn_sdpa

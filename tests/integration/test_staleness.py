@@ -9,7 +9,7 @@ older than the bound allows.
 import pytest
 from scripted_actor import ScriptedActor
 
-from learner.hub import staleness as st
+from learner import staleness as st
 
 
 def test_admission_capacity_rule():

@@ -6,7 +6,7 @@ Each side of each case runs in a process of its own (bench/learner_gpu_sides.py)
 
   FleetRL   learner.train.trainer.Trainer: DeepSpeed ZeRO-2 on one rank, packed rows, the case's
             token budget per micro-batch, chunked logprobs, gradient checkpointing where the
-            case says; then the weight path: Trainer.snapshot, the WeightSender's bucket copy
+            case says; then the weight path: WeightSource.snapshot, the WeightSender's bucket copy
             (learner/weights/buckets.py), and a broadcast through a weight group of world size 1.
   plain     bench/plain_loop.py: the same samples in rollout order, right-padded, transformers'
             SDPA, full logits -> log-softmax -> the same clipped PPO loss, AdamW (fused on CUDA).
@@ -176,7 +176,7 @@ def main() -> None:
     print("\n".join(settings(c) for c in cases))
     print()
     print("\n".join(weight_table(cases, results)))
-    print("\n- snapshot: Trainer.snapshot, every weight copied into the weight-group buckets (the ZeRO-3 path).")
+    print("\n- snapshot: WeightSource.snapshot, every weight copied into the weight-group buckets (the ZeRO-3 path).")
     print("- bucket copy: the WeightSender's copy from the parameters (learner/weights/buckets.py, the ZeRO-0/1/2 path).")
     print("- broadcast: every bucket through a weight group of world size 1. With one member nothing crosses a link:")
     print("  it measures the call path, not a link.")

@@ -162,7 +162,7 @@ class Update:
 
 def update_data(cfg: Config, case: Case, updates: int) -> list[Update]:
     """The updates' data, seeded by each update's index: the same on both sides."""
-    from learner.train.trainer import make_shares
+    from learner.train.shard import make_shares
 
     vocab = SHAPES[case.shape]["vocab_size"]
     out = []

@@ -62,24 +62,18 @@ def timed_updates(step: Callable[[Update], float], updates: list[Update], warmup
     return out
 
 
-def weight_rates(trainer, dtype: torch.dtype, bucket_mb: int, reps: int, device: torch.device) -> dict:
-    """GB/s of the two copies that feed the weight group, and of its broadcast with world size 1."""
+def weight_rates(source, bucket_mb: int, reps: int, device: torch.device) -> dict:
+    """GB/s of the two copies that feed the weight group, and of its broadcast with world size 1.
+    `source`: the learner's WeightSource (learner/weights/source.py) over the trained engine."""
     from learner.weights.buckets import Buckets
     from protocol import weights as wg
 
-    bucket_bytes = bucket_mb << 20
-    shapes = trainer.full_shapes()
-    buckets = wg.plan_buckets(shapes, dtype.itemsize, bucket_bytes)
-    nbytes = sum(wg.bucket_numels(shapes, buckets)) * dtype.itemsize
-    flats: list[torch.Tensor] | None = None
-
-    def snapshot() -> None:
-        nonlocal flats
-        flats = trainer.snapshot(buckets, dtype, flats)
-
-    snapshot_s = _median_s(snapshot, reps, device)
+    dtype = source.dtype
+    nbytes = sum(wg.bucket_numels(source.shapes, source.buckets)) * dtype.itemsize
+    snapshot_s = _median_s(source.take, reps, device)
+    flats = source.take()
     assert flats is not None
-    sender = Buckets([p for _, p in trainer.named_parameters()], dtype, bucket_bytes)
+    sender = Buckets(list(source.params), dtype, bucket_mb << 20)
     bucket_s = _median_s(sender.snapshot, reps, device)
     # The learner alone in its group: the backend and device as protocol/weights.py picks them for any epoch.
     plan = wg.plan_group(wg.device_identity(device), [])
@@ -101,7 +95,9 @@ def weight_rates(trainer, dtype: torch.dtype, bucket_mb: int, reps: int, device:
 def run_fleetrl(case: Case, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> dict:
     from learner.plan import make_plan
     from learner.train.distributed import init_distributed, make_topology
-    from learner.train.trainer import StepLayout, Trainer
+    from learner.train.engines import StepLayout
+    from learner.train.trainer import Trainer
+    from learner.weights.source import WeightSource
 
     cfg = case_config(case, str(dtype).removeprefix("torch."))
     init_distributed()
@@ -116,7 +112,8 @@ def run_fleetrl(case: Case, device: torch.device, dtype: torch.dtype, args: argp
         return stats.loss
 
     out = timed_updates(step, update_data(cfg, case, args.warmup + args.updates), args.warmup, device)
-    return {**out, "params": params, **weight_rates(trainer, dtype, cfg.weights.bucket_mb, args.weight_reps, device)}
+    source = WeightSource(cfg, trainer.engine, topo)
+    return {**out, "params": params, **weight_rates(source, cfg.weights.bucket_mb, args.weight_reps, device)}
 
 
 def run_plain(case: Case, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> dict:

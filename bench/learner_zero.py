@@ -41,9 +41,10 @@ def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: li
     from bench.synthetic import synthetic_groups
     from learner.plan import make_plan
     from learner.train.distributed import init_distributed, make_topology
-    from learner.train.shard import scatter_shares
-    from learner.train.trainer import StepLayout, Trainer, make_shares
-    from protocol import weights as wg
+    from learner.train.engines import StepLayout
+    from learner.train.shard import make_shares, scatter_shares
+    from learner.train.trainer import Trainer
+    from learner.weights.source import WeightSource
     from protocol.config import load_config
 
     cfg = load_config(None, [f"model.path={model_dir}", *SETTINGS, *overrides])
@@ -55,8 +56,8 @@ def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: li
     plan = make_plan(cfg, num_prompts=100)
     layout = StepLayout.of(plan)
     trainer = Trainer(cfg, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), topo, layout)
-    buckets = wg.plan_buckets(trainer.full_shapes(), 4, 32 << 20)
-    flats, version, tokens, t0 = None, 0, 0, 0.0
+    source = WeightSource(cfg, trainer.engine, topo)
+    version, tokens, t0 = 0, 0, 0.0
     for update in range(warmup + updates):
         if update == warmup:
             torch.distributed.barrier()
@@ -73,7 +74,7 @@ def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: li
         )
         shares = make_shares(cfg, groups, version, 0, topo.dp_size)[0] if topo.is_root else None
         stats = trainer.update(scatter_shares(topo, shares))
-        flats = trainer.snapshot(buckets, torch.float32, flats)
+        source.take()
         version += 1
         if update >= warmup:
             tokens += stats.tokens

@@ -1,4 +1,8 @@
-"""Rank 0 hands each data-parallel rank its share of a rollout batch, as one flat byte buffer.
+"""Rank 0 turns a rollout batch into one share per data-parallel rank (`make_shares`) and hands each out as one
+flat byte buffer (`scatter_shares`).
+
+    groups -> check -> group advantages (GRPO; GAE runs per rank) -> samples -> shuffle, mini-batches, DP ranks,
+    micro-batches (learner/train/micro_batches.py) -> Share per DP rank -> scatter
 
 A share is the rank's samples for every mini-batch of the update, in order (mini-batch 0's
 samples first, each mini-batch's micro-batches back to back), how many samples each
@@ -27,9 +31,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner.train.batch import Sample
+from learner.train.advantages import GroupAdvantage, make_advantage
+from learner.train.batch import Sample, check_batch, group_samples
 from learner.train.distributed import Topology
 from learner.train.micro_batches import cut_mini_batch
+from protocol.config import Config, TrainConfig
+from protocol.messages import RolloutGroup
 
 HEADER_BYTES = 7 * 8
 
@@ -145,6 +152,37 @@ def scatter_shares(topo: Topology, shares: list[Share] | None) -> Share:
     out = torch.empty(int(longest_t.item()), dtype=torch.uint8, device=dev)
     dist.scatter(out, padded if topo.is_root else None, src=0)
     return decode_share(out[: int(size.item())].cpu().numpy())
+
+
+def make_shares(
+    cfg: Config, groups: list[RolloutGroup], version: int, max_staleness: int, dp_size: int, vocab_size: int | None = None
+) -> tuple[list[Share], torch.Tensor]:
+    """Rank 0: group-level advantages, then the samples cut into one share per DP rank, and into micro-batches.
+
+    Raises InvalidBatch (learner/train/batch.py) for groups no model could train on, before anything reaches
+    another rank: token ids outside [0, vocab_size), non-finite or positive logprobs, non-finite rewards."""
+    check_batch(groups, vocab_size)
+    rewards = torch.from_numpy(np.stack([g.rewards for g in groups]).astype(np.float32))
+    unit = make_advantage(cfg.algo)
+    # Group advantages need the whole group, so rank 0 computes them; GAE is per sample and runs on each rank.
+    advantages = unit.per_sample(rewards) if isinstance(unit, GroupAdvantage) else torch.zeros_like(rewards)
+    samples = [s for g, adv in zip(groups, advantages, strict=True) for s in group_samples(g, adv)]
+    shares = split_rollout_batch(
+        samples,
+        cfg.train.mini_batches,
+        dp_size,
+        seed=cfg.run.seed * 1_000_003 + version,
+        version=version,
+        max_staleness=max_staleness,
+        token_budget=token_budget(cfg.train),
+        micro_samples=cfg.train.micro_batch_samples,
+    )
+    return shares, advantages
+
+
+def token_budget(train: TrainConfig) -> int:
+    """Tokens of one micro-batch (0: counted in samples). An SP group splits each micro-batch's row over its ranks."""
+    return train.max_tokens_per_micro_batch * train.sequence_parallel_size
 
 
 def split_rollout_batch(

@@ -1,9 +1,10 @@
 """One update per rollout batch, on every learner rank: S = mini_batches x ppo_epochs optimizer steps.
 
-    rank 0: groups -> advantages -> samples -> shares (learner/train/shard.py) --scatter--> every rank
+    rank 0: groups -> advantages -> samples -> shares (learner/train/shard.py: make_shares) --scatter--> every rank
     every rank, for each PPO epoch, for each mini-batch (one optimizer step):
         its micro-batches: learner logprobs -> clipped loss -> backward (gradient accumulation)
         DeepSpeed step: gradients averaged over the learner ranks, AdamW, ZeRO sharding
+    The engines (policy, critic, reference) are built once by learner/train/engines.py.
 
 The ratio is taken against the behaviour logprobs the actor sampled with. The loss is
 token-level over the mini-batch's tokens on ALL ranks (`Share.mini_batch_tokens`);
@@ -19,9 +20,7 @@ stays on the device; one all-reduce per update brings the metrics home.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,89 +28,17 @@ import torch
 import torch.distributed as dist
 
 from learner import staleness as st
-from learner.plan import Plan
-from learner.train.advantages import GroupAdvantage, make_advantage
-from learner.train.attention.varlen import disable_cudnn_sdpa
-from learner.train.batch import TokenBatch, check_batch, group_samples
+from learner.train.advantages import make_advantage
+from learner.train.batch import TokenBatch
 from learner.train.distributed import Topology
+from learner.train.engines import StepLayout, build_engines
 from learner.train.layout import attention_implementation, micro_batch_layout
 from learner.train.losses import make_policy_loss, value_loss
-from learner.train.scoring import install_scoring_head, score_tokens
+from learner.train.scoring import score_tokens
 from learner.train.sequence_parallel import SequenceShard
-from learner.train.shard import Share, split_rollout_batch
+from learner.train.shard import Share
 from learner.train.step_check import StepWatch
-from protocol.config import Config, ConfigError, TrainConfig
-from protocol.messages import RolloutGroup
-
-
-@dataclass(frozen=True, slots=True)
-class StepLayout:
-    """The per-rank batch arithmetic of one update (validated at start by learner/plan.py)."""
-
-    mini_batches: int
-    ppo_epochs: int
-    micro_samples: int  # samples per forward/backward (1 with a token budget: DeepSpeed's bookkeeping only)
-    accumulation: int  # micro-batches per optimizer step on one rank (with a token budget, the most there can be)
-
-    @classmethod
-    def of(cls, plan: Plan) -> StepLayout:
-        """The layout `fleetrl plan` computed for this run (learner/plan.py checks it adds up)."""
-        return cls(
-            mini_batches=plan.mini_batches, ppo_epochs=plan.ppo_epochs, micro_samples=plan.micro_batch, accumulation=plan.accumulation
-        )
-
-    @property
-    def steps(self) -> int:
-        return self.mini_batches * self.ppo_epochs
-
-
-def token_budget(train: TrainConfig) -> int:
-    """Tokens of one micro-batch (0: counted in samples). An SP group splits each micro-batch's row over its ranks."""
-    return train.max_tokens_per_micro_batch * train.sequence_parallel_size
-
-
-def deepspeed_config(cfg: Config, layout: StepLayout, lr: float, cuda: bool) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": layout.micro_samples,
-        "gradient_accumulation_steps": layout.accumulation,
-        "gradient_clipping": cfg.train.grad_clip,
-        "optimizer": {
-            "type": "AdamW",
-            # torch_adam: torch's own AdamW. DeepSpeed's fused Adam is a JIT-compiled op (no compiler on some GPU
-            # machines, none for the CPU build); torch's fused CUDA kernel does the same work in one launch.
-            "params": {
-                "lr": lr,
-                "weight_decay": cfg.train.weight_decay,
-                "betas": [0.9, 0.999],
-                "torch_adam": True,
-                **({"fused": True} if cuda else {}),
-            },
-        },
-        "scheduler": {
-            "type": "WarmupLR",
-            "params": {
-                "warmup_min_lr": 0.0,
-                "warmup_max_lr": lr,
-                "warmup_num_steps": max(1, cfg.train.warmup_steps),
-                "warmup_type": "linear",
-            },
-        },
-        "zero_optimization": {"stage": cfg.train.zero_stage, **_sp_zero3_fix(cfg)},
-        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
-        # Micro-batch gradients summed in fp32: left to DeepSpeed's default (the model's dtype), every micro-batch
-        # of a token-budget step would round the running sum to bf16, and a small one would vanish in it.
-        **({"data_types": {"grad_accum_dtype": "fp32"}} if cfg.model.dtype == "bfloat16" else {}),
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
-
-def _sp_zero3_fix(cfg: Config) -> dict:
-    """DeepSpeed 0.19 ZeRO-3's reduce-scatter path (`__avg_scatter_grads`) averages gradients over every rank,
-    SP peers included, where they must be summed: with SP = 2 the gradient came out halved (tests/
-    test_learner_ranks.py). Its all-reduce path divides by world / SP, which is right; reduce_scatter=False
-    selects it."""
-    return {"reduce_scatter": False} if cfg.train.zero_stage == 3 and cfg.train.sequence_parallel_size > 1 else {}
+from protocol.config import Config, ConfigError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -131,36 +58,8 @@ class UpdateStats:
     critic_failed_steps: list[int] = dataclasses.field(default_factory=list)  # the same for the GAE critic's steps
 
 
-def make_shares(
-    cfg: Config, groups: list[RolloutGroup], version: int, max_staleness: int, dp_size: int, vocab_size: int | None = None
-) -> tuple[list[Share], torch.Tensor]:
-    """Rank 0: group-level advantages, then the samples cut into one share per DP rank, and into micro-batches.
-
-    Raises InvalidBatch (learner/train/batch.py) for groups no model could train on, before anything reaches
-    another rank: token ids outside [0, vocab_size), non-finite or positive logprobs, non-finite rewards."""
-    check_batch(groups, vocab_size)
-    rewards = torch.from_numpy(np.stack([g.rewards for g in groups]).astype(np.float32))
-    unit = make_advantage(cfg.algo)
-    # Group advantages need the whole group, so rank 0 computes them; GAE is per sample and runs on each rank.
-    advantages = unit.per_sample(rewards) if isinstance(unit, GroupAdvantage) else torch.zeros_like(rewards)
-    samples = [s for g, adv in zip(groups, advantages, strict=True) for s in group_samples(g, adv)]
-    shares = split_rollout_batch(
-        samples,
-        cfg.train.mini_batches,
-        dp_size,
-        seed=cfg.run.seed * 1_000_003 + version,
-        version=version,
-        max_staleness=max_staleness,
-        token_budget=token_budget(cfg.train),
-        micro_samples=cfg.train.micro_batch_samples,
-    )
-    return shares, advantages
-
-
 class Trainer:
     def __init__(self, cfg: Config, model: torch.nn.Module, topo: Topology, layout: StepLayout):
-        import deepspeed
-
         self.cfg, self.topo, self.layout = cfg, topo, layout
         self.advantage = make_advantage(cfg.algo)
         self.policy_loss = make_policy_loss(cfg.algo)
@@ -169,87 +68,18 @@ class Trainer:
                 "algo.advantage: gae needs every value of a sample on one rank; it does not run with train.sequence_parallel_size > 1 yet"
             )
         # Padded rows, one packed row, or this rank's chunk of it (SP): chosen once, with its attention.
-        self.attention = attention_implementation(cfg.train)
         self.build = micro_batch_layout(cfg.train, topo.sp_group)
-        model.set_attn_implementation(self.attention)  # type: ignore[operator]
-        if topo.device.type == "cuda":
-            disable_cudnn_sdpa()
-        self.head = install_scoring_head(model)
-        if cfg.train.gradient_checkpointing:
-            _checkpoint_layers(model)
-        self.vocab_size = embedding_rows(model)  # read before DeepSpeed: ZeRO-3 leaves empty placeholders
-        self.engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=deepspeed_config(cfg, layout, cfg.train.lr, topo.device.type == "cuda"),
-            mpu=topo.mpu,
+        engines = build_engines(
+            cfg,
+            model,
+            topo,
+            layout,
+            attention_implementation(cfg.train),
+            critic=self.advantage.needs_critic,
+            reference=self.policy_loss.needs_reference or cfg.algo.keep_reference,
         )
-        self.critic = self.reference = None
-        if self.advantage.needs_critic:
-            from learner.train.critic import Critic
-
-            critic = Critic.from_pretrained(cfg.algo.critic_path or cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-            critic.backbone.set_attn_implementation(self.attention)  # type: ignore[operator]
-            if cfg.train.gradient_checkpointing:
-                _checkpoint_layers(critic.backbone)
-            self.critic, *_ = deepspeed.initialize(
-                model=critic,
-                model_parameters=list(critic.parameters()),
-                config=deepspeed_config(cfg, layout, cfg.algo.critic_lr, topo.device.type == "cuda"),
-                mpu=topo.mpu,
-            )
-        if self.policy_loss.needs_reference or cfg.algo.keep_reference:
-            from learner.train.reference import ReferencePolicy
-
-            self.reference = ReferencePolicy.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-            self.reference.model.set_attn_implementation(self.attention)  # type: ignore[operator]
-            self.reference.model.to(topo.device)
-
-    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return list(self.engine.module.named_parameters())
-
-    def full_shapes(self) -> list[list[int]]:
-        """Unsharded shapes (ZeRO-3 leaves an empty placeholder in `.shape` and the real one in `.ds_shape`)."""
-        return [list(getattr(p, "ds_shape", p.shape)) for _, p in self.named_parameters()]
-
-    @contextlib.contextmanager
-    def gathered(self, params: list[torch.nn.Parameter]) -> Iterator[None]:
-        """Collective under ZeRO-3: the full values of `params` on every rank inside the block."""
-        if self.cfg.train.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                yield
-        else:
-            yield
-
-    def snapshot(
-        self, buckets: list[range], dtype: torch.dtype, out: list[torch.Tensor] | None, host: bool = False
-    ) -> list[torch.Tensor] | None:
-        """Collective: rank 0 copies the weights into one flat tensor per bucket (reusing `out`); others join the gathers.
-
-        The buffers are on this rank's device, so on GPUs the weight group sends from GPU memory with no trip
-        through the host (learner/weights/sync.py); `host` keeps them in pinned host memory instead (a model whose
-        full weights do not fit beside training). ZeRO-3 gathers one bucket at a time: no rank holds more than a
-        bucket of full parameters beyond its shard, but rank 0 keeps the whole snapshot until the next sync.
-        """
-        params = [p for _, p in self.named_parameters()]
-        shapes = self.full_shapes()
-        device = torch.device("cpu") if host else self.topo.device
-        if self.topo.is_root and out is None:
-            pin = device.type == "cpu" and self.topo.device.type == "cuda"
-            out = [torch.empty(sum(int(np.prod(shapes[i])) for i in b), dtype=dtype, device=device, pin_memory=pin) for b in buckets]
-        for k, bucket in enumerate(buckets):
-            chunk = [params[i] for i in bucket]
-            with self.gathered(chunk), torch.no_grad():
-                if self.topo.is_root:
-                    assert out is not None and out[k].device == device, f"snapshot buffer {k} not on {device}"
-                    flat = [p.detach().reshape(-1).to(dtype) for p in chunk]
-                    if flat[0].device == device:
-                        torch.cat(flat, out=out[k])
-                    else:  # to host memory: one device-to-host copy per bucket
-                        out[k].copy_(torch.cat(flat))
-        return out if self.topo.is_root else None
+        self.engine, self.head, self.vocab_size = engines.policy, engines.head, engines.vocab_size
+        self.critic, self.reference = engines.critic, engines.reference
 
     def update(self, share: Share) -> UpdateStats:
         """Train this rank's share: S optimizer steps from `share.version`. Stats are summed over ranks."""
@@ -446,20 +276,6 @@ class Trainer:
             row.update({"loss/value": v.loss.detach(), "loss/value_clip_frac": v.clip_frac * n})
         zero = torch.zeros((), dtype=torch.float64, device=dev)
         return torch.stack([row[k].double() if k in row else zero for k in _DEVICE_SUMS])
-
-
-def embedding_rows(model: torch.nn.Module) -> int:
-    """The token ids the model can take and score: its input embedding's rows (the output head's, if fewer).
-    Often above len(tokenizer) (padded to a multiple of 64 or 128); an id in between is still embeddable."""
-    rows = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
-    head = model.get_output_embeddings()  # type: ignore[operator]
-    return min(rows, head.out_features) if isinstance(head, torch.nn.Linear) else int(rows)
-
-
-def _checkpoint_layers(model: torch.nn.Module) -> None:
-    """Activation checkpointing of every decoder layer (transformers' own, non-reentrant: the packed/ring attention
-    kwargs reach the recomputed layers, and ZeRO-3 gathers the parameters again for the recompute)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
 
 
 def _micro_chunks(share: Share) -> list[list[list]]:

@@ -35,15 +35,16 @@ from learner.resume import (  # noqa: E402
     write_learner_state,
 )
 from learner.train.distributed import init_distributed, make_topology  # noqa: E402
-from learner.train.shard import scatter_shares  # noqa: E402
-from learner.train.trainer import StepLayout, Trainer, make_shares  # noqa: E402
-from protocol import weights as wg  # noqa: E402
+from learner.train.engines import StepLayout  # noqa: E402
+from learner.train.shard import make_shares, scatter_shares  # noqa: E402
+from learner.train.trainer import Trainer  # noqa: E402
+from learner.weights.source import WeightSource  # noqa: E402
 from protocol.config import load_config  # noqa: E402
 
 
 def main() -> None:
     model_dir, run_dir, out_path, mode, *overrides = sys.argv[1:]
-    cfg = load_config(None, [f"model.path={model_dir}", f"run.dir={run_dir}", *overrides])
+    cfg = load_config(None, [f"model.path={model_dir}", f"run.dir={run_dir}", "weights.bucket_mb=1", *overrides])
     init_distributed()
     topo = make_topology(cfg.train.sequence_parallel_size)
     torch.manual_seed(0)
@@ -53,7 +54,7 @@ def main() -> None:
     plan = make_plan(cfg, num_prompts=100)
     layout = StepLayout.of(plan)
     trainer = Trainer(cfg, model, topo, layout)
-    buckets = wg.plan_buckets(trainer.full_shapes(), 4, 1 << 20)
+    source = WeightSource(cfg, trainer.engine, topo)  # 1 MiB buckets (weights.bucket_mb=1): several of them
     first, version = 0, 0
     if mode == "resume":
         checkpoint = agree_on_checkpoint(topo, Path(run_dir))
@@ -83,7 +84,7 @@ def main() -> None:
                 share.save_step = save_step
         share = scatter_shares(topo, shares)
         stats = trainer.update(share)
-        flats = trainer.snapshot(buckets, torch.float32, flats)
+        flats = source.take()
         version += trainer.layout.steps
         done = update + 1
         losses[done] = stats.loss

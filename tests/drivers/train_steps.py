@@ -21,9 +21,10 @@ sys.path.insert(0, str(ROOT))
 from bench.synthetic import synthetic_groups  # noqa: E402
 from learner.plan import make_plan  # noqa: E402
 from learner.train.distributed import init_distributed, make_topology  # noqa: E402
-from learner.train.shard import scatter_shares  # noqa: E402
-from learner.train.trainer import StepLayout, Trainer, make_shares  # noqa: E402
-from protocol import weights as wg  # noqa: E402
+from learner.train.engines import StepLayout  # noqa: E402
+from learner.train.shard import make_shares, scatter_shares  # noqa: E402
+from learner.train.trainer import Trainer  # noqa: E402
+from learner.weights.source import WeightSource  # noqa: E402
 from protocol.config import load_config  # noqa: E402
 from protocol.messages import RolloutGroup  # noqa: E402
 
@@ -43,7 +44,7 @@ def groups_for(update: int, version: int, cfg) -> list[RolloutGroup]:
 
 def main() -> None:
     model_dir, out_path, *overrides = sys.argv[1:]
-    cfg = load_config(None, [f"model.path={model_dir}", *overrides])
+    cfg = load_config(None, [f"model.path={model_dir}", "weights.bucket_mb=1", *overrides])
     init_distributed()
     topo = make_topology(cfg.train.sequence_parallel_size)
     torch.manual_seed(0)
@@ -53,7 +54,7 @@ def main() -> None:
     plan = make_plan(cfg, num_prompts=100)
     layout = StepLayout.of(plan)
     trainer = Trainer(cfg, model, topo, layout)
-    buckets = wg.plan_buckets(trainer.full_shapes(), 4, 1 << 20)
+    source = WeightSource(cfg, trainer.engine, topo)  # 1 MiB buckets (weights.bucket_mb=1): several of them
     losses, grad_norms, extras, micro, version, flats = [], [], [], [], 0, None
     for update in range(cfg.train.total_steps):
         shares = (
@@ -64,7 +65,7 @@ def main() -> None:
         share = scatter_shares(topo, shares)
         micro.append(share.micro_sizes)  # rank 0's: how its samples were cut into micro-batches
         stats = trainer.update(share)
-        flats = trainer.snapshot(buckets, torch.float32, flats)
+        flats = source.take()
         version += trainer.layout.steps
         losses.append(stats.loss)
         grad_norms.append(stats.grad_norm)

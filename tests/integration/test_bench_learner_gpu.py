@@ -1,7 +1,7 @@
 """bench.learner_gpu's smoke mode on the CPU: every code path of the GPU benchmark, so a broken bench fails here.
 
 One run (tiny model, float32, gloo): FleetRL's trainer with a token budget and gradient checkpointing,
-the plain PyTorch loop, Trainer.snapshot, the bucket copy and the world-size-1 broadcast.
+the plain PyTorch loop, WeightSource.snapshot, the bucket copy and the world-size-1 broadcast.
 """
 
 import os

@@ -9,10 +9,10 @@ from conftest import rollout_group
 
 from deploy.tiny import build_tokenizer
 from learner.data.prompts import PromptSet, addition_items
-from learner.hub.intake import MAX_FILTERED_BATCHES, take_update_batch
 from learner.hub.ledger import State
 from learner.hub.records import Accepted
 from learner.hub.server import Hub
+from learner.update import MAX_FILTERED_BATCHES, take_batch
 from protocol.config import load_config
 
 
@@ -32,7 +32,7 @@ def _hub_with(rewards: list[list[float]], *overrides: str) -> Hub:
 
 def test_filter_consumes_equal_groups_and_tops_up():
     hub = _hub_with([[1, 1, 1], [0, 1, 0], [0, 0, 0], [1, 0, 1]], "algo.filter_equal_rewards=true")
-    kept, filtered = take_update_batch(hub, hub.cfg, {"flag": False}, structlog.get_logger())
+    kept, filtered = take_batch(hub, hub.cfg, {"flag": False}, structlog.get_logger())
     assert [list(i.group.rewards) for i in kept] == [[0, 1, 0], [1, 0, 1]]
     assert [list(i.group.rewards) for i in filtered] == [[1, 1, 1], [0, 0, 0]]
     assert not hub.buffer
@@ -40,7 +40,7 @@ def test_filter_consumes_equal_groups_and_tops_up():
 
 def test_without_filter_everything_trains():
     hub = _hub_with([[1, 1, 1], [0, 1, 0]])
-    kept, filtered = take_update_batch(hub, hub.cfg, {"flag": False}, structlog.get_logger())
+    kept, filtered = take_batch(hub, hub.cfg, {"flag": False}, structlog.get_logger())
     assert len(kept) == 2 and filtered == []
 
 
@@ -48,7 +48,7 @@ def test_filter_gives_up_after_the_cap_and_keeps_the_update_size():
     n = 2
     rows = [[1.0, 1.0, 1.0]] * (MAX_FILTERED_BATCHES * n) + [[0, 1, 0]]
     hub = _hub_with(rows, "algo.filter_equal_rewards=true")
-    kept, filtered = take_update_batch(hub, hub.cfg, {"flag": False}, structlog.get_logger())
+    kept, filtered = take_batch(hub, hub.cfg, {"flag": False}, structlog.get_logger())
     assert len(kept) == n and len(kept) + len(filtered) == MAX_FILTERED_BATCHES * n
     assert len(hub.buffer) == 1  # the informative group is still there for the next update
 
@@ -58,5 +58,5 @@ def test_stopping_while_topping_up_returns_taken_groups_to_the_queue():
     keys = [item.key for item in hub.buffer]
     stop = {"flag": False}
     threading.Timer(1.5, lambda: stop.update(flag=True)).start()  # SIGTERM while it waits for a third group
-    assert take_update_batch(hub, hub.cfg, stop, structlog.get_logger()) is None
+    assert take_batch(hub, hub.cfg, stop, structlog.get_logger()) is None
     assert [hub.ledger.entries[k].state for k in keys] == [State.PENDING, State.PENDING]

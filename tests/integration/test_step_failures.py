@@ -37,7 +37,8 @@ def make_trainer(model_dir, *overrides):
 
     from learner.plan import make_plan
     from learner.train.distributed import init_distributed, make_topology
-    from learner.train.trainer import StepLayout, Trainer
+    from learner.train.engines import StepLayout
+    from learner.train.trainer import Trainer
     from protocol.config import load_config
 
     cfg = load_config(
@@ -62,7 +63,7 @@ def make_trainer(model_dir, *overrides):
 
 
 def one_share(cfg, trainer, behaviour_logp=-2.5, edit=None):
-    from learner.train.trainer import make_shares
+    from learner.train.shard import make_shares
 
     groups = synthetic_groups(
         groups=4, samples=4, seed=3, version=0, prompt_len=4, completion=(1, 4), vocab=(3, 20), behaviour_logp=behaviour_logp
@@ -73,7 +74,7 @@ def one_share(cfg, trainer, behaviour_logp=-2.5, edit=None):
 
 
 def weights(trainer):
-    return torch.cat([p.detach().reshape(-1).clone() for _, p in trainer.named_parameters()])
+    return torch.cat([p.detach().reshape(-1).clone() for _, p in trainer.engine.module.named_parameters()])
 
 
 @pytest.fixture(scope="module")

@@ -103,9 +103,8 @@ def receive(msg, go, out, delay_s=0.0):
     """The actor worker's side (actors/weight_receiver.py, as in the vLLM worker): join, land each bucket, keep a copy."""
     go.wait(30)  # joins only once the learner's optimizer step has begun: the broadcast is surely still in flight
     time.sleep(delay_s)  # a slow receiver: an unguarded step would have written the parameters by now
-    fields = {f: getattr(msg, f) for f in msg.__dataclass_fields__}
-    result = WeightReceiver().receive(fields, lambda pairs: out.update({name: t.clone() for name, t in pairs}))
-    assert "error" not in result, result
+    result = WeightReceiver().receive(msg, msg.rank, lambda pairs: out.update({name: t.clone() for name, t in pairs}))
+    assert not result.failed, result
 
 
 @pytest.mark.parametrize("guarded", [True, False])
@@ -145,14 +144,15 @@ def test_deepspeed_zero2_guarded_sync(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from learner.train.distributed import init_distributed, make_topology
-    from learner.train.trainer import StepLayout, Trainer
+    from learner.train.engines import StepLayout
+    from learner.train.trainer import Trainer
     from protocol.config import load_config
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "train.zero_stage=2", "train.micro_batch_samples=64", "weights.bucket_mb=1"])
     init_distributed()
     layout = StepLayout(mini_batches=1, ppo_epochs=1, micro_samples=64, accumulation=2)
     trainer = Trainer(cfg, AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32), make_topology(1), layout)
-    named = trainer.named_parameters()
+    named = list(trainer.engine.module.named_parameters())
     sender = WeightSender.for_params(cfg.weights, named, "float32")
     assert len(sender.buckets) > 1 and all(sender.buckets.live(i) is not None for i in range(len(sender.buckets)))
     sender.guard(trainer.engine.optimizer)

@@ -12,11 +12,11 @@ from conftest import rollout_group
 
 from deploy.tiny import build_tokenizer
 from learner.data.prompts import PromptSet, addition_items
-from learner.hub.intake import settle_update
 from learner.hub.ledger import State
 from learner.hub.state import HubState
 from learner.train.batch import InvalidBatch, check_batch
-from learner.train.trainer import make_shares
+from learner.train.shard import make_shares
+from learner.update import settle
 from protocol import messages as m
 from protocol.config import load_config
 
@@ -267,7 +267,7 @@ def _taken_batch(state):
 
 
 class _Facade:
-    """The two Hub calls settle_update makes, straight on a HubState."""
+    """The two Hub calls settle makes, straight on a HubState."""
 
     def __init__(self, state):
         self.state = state
@@ -286,10 +286,10 @@ def test_an_update_with_a_skipped_step_requeues_its_prompts_and_counts_only_appl
 
     state = hub(prompts, "train.mini_batches=2", "train.ppo_epochs=2", "staleness.max_staleness=3")
     batch = _taken_batch(state)
-    assert settle_update(_Facade(state), batch, 0, applied=3, failed=[2], log=structlog.get_logger()) == 3
+    settle(_Facade(state), batch, 0, applied=3, failed=[2], log=structlog.get_logger())
     assert state.version == 3 and not state.training
     assert state.ledger.state_counts()["trained"] == 0 and state.ledger.counts["requeued_aborted"] == 4
     state = hub(prompts, "train.mini_batches=2", "train.ppo_epochs=2", "staleness.max_staleness=3")
     batch = _taken_batch(state)
-    assert settle_update(_Facade(state), batch, 0, applied=4, failed=[], log=structlog.get_logger()) == 4
+    settle(_Facade(state), batch, 0, applied=4, failed=[], log=structlog.get_logger())
     assert state.version == 4 and state.ledger.state_counts()["trained"] == 4

@@ -8,9 +8,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from learner.train.attention.hf import VARLEN
 from learner.train.batch import token_logprobs
+from learner.train.engines import checkpoint_layers
 from learner.train.packing import pack_samples
 from learner.train.scoring import ChunkedLogprobs, ScoringHead, install_scoring_head, score_tokens
-from learner.train.trainer import _checkpoint_layers
 from tests.unit.test_packing import make_samples
 
 
@@ -139,7 +139,7 @@ def test_gradient_checkpointing_recomputes_with_packed_kwargs():
         model.set_attn_implementation(VARLEN)
         head = install_scoring_head(model)
         if ckpt:
-            _checkpoint_layers(model)
+            checkpoint_layers(model)
         model.train()
         seen: list[bool] = []
         model.model.layers[0].self_attn.register_forward_pre_hook(

@@ -86,9 +86,9 @@ def _run_rank(cfg: Config, resume: bool) -> int:
     data = load_datasets(cfg, tokenizer) if topo.is_root else None
     # Followers need only the batch arithmetic, which does not depend on the prompt count.
     plan = make_plan(cfg, num_prompts=len(data.train) if data is not None else cfg.train.prompts_per_step)
-    if plan.learner_ranks != topo.world:
+    if plan.placement.learner_ranks != topo.world:
         raise ConfigError(
-            f"cluster: the plan has {plan.learner_ranks} learner ranks "
+            f"cluster: the plan has {plan.placement.learner_ranks} learner ranks "
             f"(learner_nodes x learner_gpus_per_node, or debug_gpus), torchrun started {topo.world}"
         )
     layout = StepLayout.of(plan)
@@ -106,7 +106,7 @@ def _run_rank(cfg: Config, resume: bool) -> int:
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     log.info("learner.plan", text="\n" + render(plan))
     weights = WeightSource(cfg, trainer.engine, topo)
-    return run_root(cfg, topo, trainer, weights, tokenizer, data, plan.rollout_batches, run_dir, log, checkpoint)
+    return run_root(cfg, topo, trainer, weights, tokenizer, data, plan.length.updates, run_dir, log, checkpoint)
 
 
 def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:

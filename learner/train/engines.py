@@ -25,7 +25,7 @@ from protocol.config import Config
 
 @dataclass(frozen=True, slots=True)
 class StepLayout:
-    """The per-rank batch arithmetic of one update (validated at start by learner/plan.py)."""
+    """The per-rank batch arithmetic of one update (validated at start by learner/plan/layout.py)."""
 
     mini_batches: int
     ppo_epochs: int
@@ -34,10 +34,9 @@ class StepLayout:
 
     @classmethod
     def of(cls, plan: Plan) -> StepLayout:
-        """The layout `fleetrl plan` computed for this run (learner/plan.py checks it adds up)."""
-        return cls(
-            mini_batches=plan.mini_batches, ppo_epochs=plan.ppo_epochs, micro_samples=plan.micro_batch, accumulation=plan.accumulation
-        )
+        """The layout `fleetrl plan` computed for this run (learner/plan/layout.py checks it adds up)."""
+        b = plan.batch
+        return cls(mini_batches=b.mini_batches, ppo_epochs=b.ppo_epochs, micro_samples=b.micro_batch, accumulation=b.accumulation)
 
     @property
     def steps(self) -> int:

@@ -199,7 +199,7 @@ def split_rollout_batch(
     each rank's part into micro-batches (learner/train/micro_batches.py): of `micro_samples` samples when
     `token_budget` is 0, else packed up to `token_budget` tokens, the same count on every rank.
 
-    The batch arithmetic was checked at start (learner/plan.py), so every cut is whole.
+    The batch arithmetic was checked at start (learner/plan/layout.py), so every cut is whole.
     """
     order = np.random.default_rng(seed).permutation(len(samples)) if mini_batches > 1 else np.arange(len(samples))
     per_mb = len(samples) // mini_batches

@@ -1,4 +1,4 @@
-"""`learner/plan.py` and `fleetrl plan`: every shipped recipe plans, the reference setups' numbers hold, and bad
+"""`learner/plan/` and `fleetrl plan`: every shipped recipe plans, the reference setups' numbers hold, and bad
 batch arithmetic is rejected at start with the arithmetic in the message."""
 
 import dataclasses
@@ -34,22 +34,22 @@ def test_every_recipe_plans(path):
     cfg = load_config(path)
     p = make_plan(cfg)
     # The arithmetic closes: nothing is dropped or duplicated between the levels of the batch.
-    assert p.rollout_batch == cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt
-    assert p.mini_batch * p.mini_batches == p.rollout_batch
-    assert p.samples_per_rank * p.data_parallel == p.mini_batch
-    assert p.accumulation * p.micro_batch == p.samples_per_rank
-    assert p.data_parallel * p.sequence_parallel == p.learner_ranks
-    assert p.steps_per_batch == cfg.train.mini_batches * cfg.train.ppo_epochs
-    assert p.max_staleness >= p.steps_per_batch - 1
-    assert p.optimizer_steps == p.rollout_batches * p.steps_per_batch
+    assert p.batch.rollout_batch == cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt
+    assert p.batch.mini_batch * p.batch.mini_batches == p.batch.rollout_batch
+    assert p.batch.samples_per_rank * p.placement.data_parallel == p.batch.mini_batch
+    assert p.batch.accumulation * p.batch.micro_batch == p.batch.samples_per_rank
+    assert p.placement.data_parallel * p.placement.sequence_parallel == p.placement.learner_ranks
+    assert p.batch.steps_per_update == cfg.train.mini_batches * cfg.train.ppo_epochs
+    assert p.batch.max_staleness >= p.batch.steps_per_update - 1
+    assert p.length.optimizer_steps == p.length.updates * p.batch.steps_per_update
     text = render(p)
     for section in ("Placement", "Batch arithmetic", "Run length", "Memory per learner GPU"):
         assert section in text
     # A GPU recipe keeps its engines' batches full: 8 prompts x 1 sample would leave a GPU engine nearly idle.
-    assert p.engine_sequences == cfg.actor.max_groups * cfg.rollout.samples_per_prompt
+    assert p.placement.engine_sequences == cfg.actor.max_groups * cfg.rollout.samples_per_prompt
     if path.stem != "demo":
-        assert p.engine_sequences >= cfg.actor.max_num_seqs and "part idle" not in text, (path.stem, p.engine_sequences)
-        assert p.actor_fits is not False, path.stem
+        assert p.placement.engine_sequences >= cfg.actor.max_num_seqs and "part idle" not in text, (path.stem, p.placement.engine_sequences)
+        assert p.actor_memory is None or p.actor_memory.fits, path.stem
 
 
 def test_plan_says_when_an_engine_would_run_part_idle():
@@ -67,29 +67,29 @@ def test_orz_recipes(name, tokens):
     a = cfg.algo
     assert (a.advantage, a.gamma, a.lam, a.kl_coef, cfg.rollout.temperature) == ("gae", 1.0, 1.0, 0.0, 1.0)
     p = make_plan(cfg)
-    assert (p.prompts_per_step, p.samples_per_prompt, p.rollout_batch, p.steps_per_batch) == (128, 64, 8192, 1)
-    assert p.max_tokens == tokens and f"{tokens:,}" in render(p)
-    assert p.epochs == pytest.approx(20.0, abs=0.01)  # num_episodes 20
+    assert (p.batch.prompts_per_update, p.batch.samples_per_prompt, p.batch.rollout_batch, p.batch.steps_per_update) == (128, 64, 8192, 1)
+    assert p.batch.max_tokens == tokens and f"{tokens:,}" in render(p)
+    assert p.length.epochs == pytest.approx(20.0, abs=0.01)  # num_episodes 20
 
 
 def test_orz_32b_is_32_gpus_colocated_with_critic_and_reference():
     p = plan_of("orz_32b_ppo.toml")
-    assert p.learner_ranks == 32 and p.learner_gpus == 32 and p.colocate
-    assert p.models == ["policy", "critic", "reference"]
-    assert (p.actor_engines, p.tensor_parallel) == (16, 4)
-    assert len(p.memory) == 3 and p.gpu_bytes == pytest.approx(sum(m.total for m in p.memory))
+    assert p.placement.learner_ranks == 32 and p.placement.learner_gpus == 32 and p.placement.colocate
+    assert p.placement.models == ["policy", "critic", "reference"]
+    assert (p.placement.actor_engines, p.placement.tensor_parallel) == (16, 4)
+    assert len(p.learner_memory.models) == 3 and p.learner_memory.gpu_bytes == pytest.approx(sum(m.total for m in p.learner_memory.models))
     assert "policy, critic, reference: colocated on the same 32 GPUs" in render(p)
 
 
 def test_simplerl_zoo_epochs():
     p = plan_of("simplerl_zoo_qwen2.5_7b.toml")
-    assert (p.prompts_per_step, p.samples_per_prompt, p.num_prompts) == (1024, 8, 8532)
-    assert round(p.steps_per_epoch, 2) == 8.33
-    assert p.rollout_batches == 100
-    assert p.epochs == pytest.approx(12.0, abs=0.01)
-    assert p.samples_per_prompt_run == pytest.approx(96.0, abs=0.1)
+    assert (p.batch.prompts_per_update, p.batch.samples_per_prompt, p.length.num_prompts) == (1024, 8, 8532)
+    assert round(p.length.updates_per_epoch, 2) == 8.33
+    assert p.length.updates == 100
+    assert p.length.epochs == pytest.approx(12.0, abs=0.01)
+    assert p.length.samples_per_prompt == pytest.approx(96.0, abs=0.1)
     # 1024 prompts / 256 per mini-batch: 4 optimizer steps, so fresh samples need k >= 3.
-    assert (p.steps_per_batch, p.min_staleness) == (4, 3) and p.max_staleness >= 3
+    assert (p.batch.steps_per_update, p.batch.min_staleness) == (4, 3) and p.batch.max_staleness >= 3
     text = render(p)
     assert "8.33" in text and "12.00" in text and "96.0" in text
     with pytest.raises(ConfigError, match=r"staleness\.max_staleness: 2 < S - 1 = 3"):
@@ -98,9 +98,9 @@ def test_simplerl_zoo_epochs():
 
 def test_open_instruct_tulu3_8b():
     p = plan_of("open_instruct_tulu3_8b_rlvr.toml")
-    assert p.learner_ranks == 7 and p.actor_engines == 1  # 8 GPUs: 7 learning, 1 generating
-    assert p.learner_gpus + p.actor_engines * p.tensor_parallel == 8
-    assert p.samples_per_rank == 32 and p.mini_batch == 224  # local mini-batch 32, global 224
+    assert p.placement.learner_ranks == 7 and p.placement.actor_engines == 1  # 8 GPUs: 7 learning, 1 generating
+    assert p.placement.learner_gpus + p.placement.actor_engines * p.placement.tensor_parallel == 8
+    assert p.batch.samples_per_rank == 32 and p.batch.mini_batch == 224  # local mini-batch 32, global 224
 
 
 BAD = [
@@ -201,7 +201,7 @@ def test_staleness_bound_is_tight(mini_batches, ppo_epochs):
     steps = mini_batches * ppo_epochs
     base = [f"train.mini_batches={mini_batches}", f"train.ppo_epochs={ppo_epochs}", "train.micro_batch_samples=8"]
     p = make_plan(load_config(None, base + [f"staleness.max_staleness={steps - 1}"]))
-    assert (p.steps_per_batch, p.min_staleness) == (steps, steps - 1)
+    assert (p.batch.steps_per_update, p.batch.min_staleness) == (steps, steps - 1)
     if steps > 1:
         with pytest.raises(ConfigError, match=rf"staleness\.max_staleness: {steps - 2} < S - 1 = {steps - 1}"):
             make_plan(load_config(None, base + [f"staleness.max_staleness={steps - 2}"]))
@@ -210,29 +210,27 @@ def test_staleness_bound_is_tight(mini_batches, ppo_epochs):
 def test_debug_placement_keeps_the_global_batch():
     recipe = plan_of("orz_7b_ppo.toml")
     debug = plan_of("orz_7b_ppo.toml", "cluster.debug_gpus=8")
-    assert debug.debug and not recipe.debug
-    assert (debug.learner_ranks, debug.data_parallel, debug.recipe_data_parallel) == (8, 8, 32)
-    assert (recipe.accumulation, debug.accumulation, debug.recipe_accumulation) == (256, 1024, 256)
-    assert (debug.actor_nodes, debug.actor_engines, debug.recipe_actor_engines) == (1, 8, 32)
+    assert debug.placement.debug and not recipe.placement.debug
+    assert (debug.placement.learner_ranks, debug.placement.data_parallel, debug.placement.recipe_data_parallel) == (8, 8, 32)
+    assert (recipe.batch.accumulation, debug.batch.accumulation, debug.batch.recipe_accumulation) == (256, 1024, 256)
+    assert (debug.placement.actor_nodes, debug.placement.actor_engines, debug.placement.recipe_actor_engines) == (1, 8, 32)
     # Everything about the algorithm is identical: batch sizes, steps, staleness, run length.
-    placement = {
-        "debug",
-        "learner_ranks",
-        "data_parallel",
-        "samples_per_rank",
-        "accumulation",
-        "learner_gpus",
-        "actor_nodes",
-        "actor_engines",
-        "memory",
-        "gpu_bytes",
+    placement = {"debug", "learner_ranks", "data_parallel", "learner_gpus", "actor_nodes", "actor_engines"}
+    moved = {
+        "placement": placement,
+        "batch": {"samples_per_rank", "accumulation"},
+        "length": set(),
+        "learner_memory": {"models", "gpu_bytes"},
+        "actor_memory": set(),
     }
-    for f in dataclasses.fields(recipe):
-        if f.name not in placement:
-            assert getattr(debug, f.name) == getattr(recipe, f.name), f.name
-    assert debug.samples_per_rank * debug.data_parallel == recipe.samples_per_rank * recipe.data_parallel
+    for part, fields in moved.items():
+        ours, theirs = getattr(debug, part), getattr(recipe, part)
+        for f in dataclasses.fields(ours):
+            if f.name not in fields:
+                assert getattr(ours, f.name) == getattr(theirs, f.name), f"{part}.{f.name}"
+    assert debug.batch.samples_per_rank * debug.placement.data_parallel == recipe.batch.samples_per_rank * recipe.placement.data_parallel
     # Fewer ranks share the ZeRO-3 state: 4x the bytes per GPU.
-    assert debug.gpu_bytes == pytest.approx(4 * recipe.gpu_bytes)
+    assert debug.learner_memory.gpu_bytes == pytest.approx(4 * recipe.learner_memory.gpu_bytes)
     assert "debug placement (recipe: 32 = 4 node(s) x 8 GPUs)" in render(debug)
 
 
@@ -257,23 +255,23 @@ def test_memory_per_gpu(dtype, stage, params, grads, adam):
         "algo.kl_coef=0.1",
     ]
     p = make_plan(default(*over))
-    policy, critic, ref = p.memory
+    policy, critic, ref = p.learner_memory.models
     assert (policy.name, critic.name, ref.name) == ("policy", "critic", "reference")
     assert (policy.params, policy.grads, policy.optimizer) == (params, grads, adam)
     assert critic.total == policy.total
     # The reference: weights only, sharded only under ZeRO-3.
     assert (ref.params, ref.grads, ref.optimizer) == (1e6 * (2 if dtype == "bfloat16" else 4) / (4 if stage == 3 else 1), 0, 0)
-    assert p.colocate and p.learner_gpus == 4 and p.gpu_bytes == 2 * policy.total + ref.params
+    assert p.placement.colocate and p.placement.learner_gpus == 4 and p.learner_memory.gpu_bytes == 2 * policy.total + ref.params
     # Not colocated: each model on its own 4 GPUs; the busiest GPU holds the largest model.
     apart = make_plan(default(*over, "cluster.colocate=false"))
-    assert apart.learner_gpus == 12 and apart.gpu_bytes == policy.total
+    assert apart.placement.learner_gpus == 12 and apart.learner_memory.gpu_bytes == policy.total
 
 
 def test_models_follow_the_algorithm():
-    assert plan_of("demo.toml").models == ["policy"]
-    assert make_plan(load_config(None, ["algo.kl_coef=0.01"])).models == ["policy", "reference"]
-    assert make_plan(load_config(None, ["algo.keep_reference=true"])).models == ["policy", "reference"]
-    assert make_plan(load_config(None, ["algo.advantage=gae"])).models == ["policy", "critic"]
+    assert plan_of("demo.toml").placement.models == ["policy"]
+    assert make_plan(load_config(None, ["algo.kl_coef=0.01"])).placement.models == ["policy", "reference"]
+    assert make_plan(load_config(None, ["algo.keep_reference=true"])).placement.models == ["policy", "reference"]
+    assert make_plan(load_config(None, ["algo.advantage=gae"])).placement.models == ["policy", "critic"]
 
 
 def test_param_count_from_the_model_folder(tmp_path):
@@ -285,12 +283,12 @@ def test_param_count_from_the_model_folder(tmp_path):
     path = write_tiny_model(tmp_path / "tiny")
     real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).parameters())
     p = make_plan(default(f"model.path={path}", "cluster.learner_gpus_per_node=2", "train.zero_stage=3"))
-    assert p.num_params == real and p.params_source.endswith("config.json")
-    assert p.memory[0].params == real * 4 / 2  # float32, ZeRO-3 over 2 ranks
+    assert p.learner_memory.num_params == real and p.learner_memory.params_source.endswith("config.json")
+    assert p.learner_memory.models[0].params == real * 4 / 2  # float32, ZeRO-3 over 2 ranks
     explicit = make_plan(load_config(None, [f"model.path={path}", "model.num_params=123"]))
-    assert (explicit.num_params, explicit.params_source) == (123, "model.num_params")
+    assert (explicit.learner_memory.num_params, explicit.learner_memory.params_source) == (123, "model.num_params")
     unknown = make_plan(load_config(None, [f"model.path={tmp_path / 'absent'}"]))
-    assert unknown.num_params is None and unknown.memory == [] and "unknown" in render(unknown)
+    assert unknown.learner_memory.num_params is None and unknown.learner_memory.models == [] and "unknown" in render(unknown)
 
 
 def test_prompt_count(tmp_path):
@@ -299,24 +297,24 @@ def test_prompt_count(tmp_path):
     jsonl.write_text("\n".join(json.dumps(r) for r in rows[:5]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[5:]) + "\n")
     base = ["data.task=file", f"data.path={jsonl}", "train.prompts_per_step=4"]
     p = make_plan(default(*base))
-    assert (p.num_prompts, p.steps_per_epoch) == (10, 2.5)
+    assert (p.length.num_prompts, p.length.updates_per_epoch) == (10, 2.5)
     held = make_plan(default(*base, "data.val_fraction=0.2"))
-    assert held.num_prompts == 8 and "minus 2 held out" in held.prompts_source
+    assert held.length.num_prompts == 8 and "minus 2 held out" in held.length.prompts_source
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     parquet = tmp_path / "p.parquet"
     pq.write_table(pa.Table.from_pylist(rows + rows[:2]), parquet)
-    assert make_plan(load_config(None, ["data.task=file", f"data.path={parquet}"])).num_prompts == 12
+    assert make_plan(load_config(None, ["data.task=file", f"data.path={parquet}"])).length.num_prompts == 12
     # Not at hand: data.num_prompts, else unknown; the caller's count wins over both.
     absent = ["data.task=file", f"data.path={tmp_path / 'absent.jsonl'}"]
-    assert make_plan(load_config(None, absent + ["data.num_prompts=640"])).epochs == pytest.approx(100 * 16 / 640)
-    assert make_plan(load_config(None, absent)).epochs is None
-    assert make_plan(load_config(None, absent), num_prompts=50).num_prompts == 50
+    assert make_plan(load_config(None, absent + ["data.num_prompts=640"])).length.epochs == pytest.approx(100 * 16 / 640)
+    assert make_plan(load_config(None, absent)).length.epochs is None
+    assert make_plan(load_config(None, absent), num_prompts=50).length.num_prompts == 50
 
 
 def test_samples_per_prompt_1_only_with_a_critic():
-    assert make_plan(default("rollout.samples_per_prompt=1", "algo.advantage=gae")).rollout_batch == 16
+    assert make_plan(default("rollout.samples_per_prompt=1", "algo.advantage=gae")).batch.rollout_batch == 16
     with pytest.raises(ConfigError, match=r"rollout\.samples_per_prompt: algo\.advantage = grpo needs >= 2"):
         load_config(None, ["rollout.samples_per_prompt=1"])
 
@@ -343,8 +341,8 @@ def test_gpu_recipes_checkpoint_budget_and_fit_80gb(path):
     cfg = load_config(path)
     assert cfg.train.gradient_checkpointing and cfg.train.max_tokens_per_micro_batch >= cfg.actor.max_model_len
     p = make_plan(cfg)
-    assert p.activations is not None and p.activations.tokens == cfg.train.max_tokens_per_micro_batch
-    assert p.fits, render(p)
+    assert p.learner_memory.activations is not None and p.learner_memory.activations.tokens == cfg.train.max_tokens_per_micro_batch
+    assert p.learner_memory.fits, render(p)
     assert re.search(r"per GPU\s+\d+\.\d GiB\s+fits", render(p))
 
 
@@ -352,13 +350,15 @@ def test_activations_follow_the_budget_and_checkpointing():
     ckpt = plan_of("orz_0p5b_ppo.toml")
     full = plan_of("orz_0p5b_ppo.toml", "train.gradient_checkpointing=false")
     double = plan_of("orz_0p5b_ppo.toml", "train.max_tokens_per_micro_batch=32768")
-    assert ckpt.activations.layers * 5 < full.activations.layers  # 24 layers' activations vs inputs + one layer
-    assert double.activations.layers == pytest.approx(2 * ckpt.activations.layers)
+    assert (
+        ckpt.learner_memory.activations.layers * 5 < full.learner_memory.activations.layers
+    )  # 24 layers' activations vs inputs + one layer
+    assert double.learner_memory.activations.layers == pytest.approx(2 * ckpt.learner_memory.activations.layers)
     # Without checkpointing 64k tokens of 8k samples on one GPU run out of 80 GB, as the first H100 run found.
     oom = plan_of("orz_0p5b_ppo.toml", "train.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=65536")
-    assert oom.fits is False and "DOES NOT FIT" in render(oom)
+    assert oom.learner_memory.fits is False and "DOES NOT FIT" in render(oom)
     small = plan_of("orz_0p5b_ppo.toml", "cluster.gpu_memory_gib=8")
-    assert small.fits is False
+    assert small.learner_memory.fits is False
 
 
 def test_budget_must_hold_the_longest_sample():
@@ -370,15 +370,15 @@ def test_budget_must_hold_the_longest_sample():
         plan_of("orz_0p5b_ppo.toml", "train.max_tokens_per_micro_batch=8192")
     # with SP the budget is per GPU: 2 ranks x 8192 hold it
     ok = plan_of("orz_0p5b_ppo.toml", "train.max_tokens_per_micro_batch=8192", "train.sequence_parallel_size=2")
-    assert ok.token_budget == 8192 and "8,192 tokens" in render(ok)
+    assert ok.batch.token_budget == 8192 and "8,192 tokens" in render(ok)
 
 
 def test_arch_file_counts_parameters():
     cfg = load_config(CONFIGS / "orz_1p5b_ppo.toml", ["model.num_params=0"])
     p = make_plan(cfg)
-    assert p.num_params == 1_543_714_304 and p.params_source.endswith("qwen2.5-1.5b.json")
+    assert p.learner_memory.num_params == 1_543_714_304 and p.learner_memory.params_source.endswith("qwen2.5-1.5b.json")
     unknown = make_plan(load_config(CONFIGS / "orz_1p5b_ppo.toml", ["model.arch="]))
-    assert unknown.activations is None and "activations" in render(unknown) and unknown.fits is None
+    assert unknown.learner_memory.activations is None and "activations" in render(unknown) and unknown.learner_memory.fits is None
 
 
 def test_zero3_snapshot_counts_on_rank_0_unless_kept_on_the_host():
@@ -386,26 +386,26 @@ def test_zero3_snapshot_counts_on_rank_0_unless_kept_on_the_host():
     fit beside training, so that recipe keeps it in host memory."""
     device = plan_of("orz_32b_ppo.toml", "weights.snapshot=device")
     host = plan_of("orz_32b_ppo.toml")
-    assert device.snapshot_bytes == 32_763_876_352 * 2 and device.fits is False
-    assert host.snapshot_bytes == 0 and host.fits
+    assert device.learner_memory.snapshot_bytes == 32_763_876_352 * 2 and device.learner_memory.fits is False
+    assert host.learner_memory.snapshot_bytes == 0 and host.learner_memory.fits
     assert "weight snapshot" in render(device) and "weight snapshot" not in render(host)
-    assert plan_of("orz_7b_ppo.toml").snapshot_bytes == 7_615_616_512 * 2
-    assert plan_of("orz_7b_ppo.toml", "train.zero_stage=2").snapshot_bytes == 0  # ZeRO-2 serves from the parameters
+    assert plan_of("orz_7b_ppo.toml").learner_memory.snapshot_bytes == 7_615_616_512 * 2
+    assert plan_of("orz_7b_ppo.toml", "train.zero_stage=2").learner_memory.snapshot_bytes == 0  # ZeRO-2 serves from the parameters
 
 
 def test_an_engine_gpu_keeps_room_outside_vllm_for_the_weight_buffers():
     """A sync allocates the landing buffer (the largest weight: 32B's embedding, 152,064 x 5,120 bf16) and NCCL's
     buffers after vLLM took actor.gpu_memory_utilization of the GPU."""
     p = plan_of("orz_32b_ppo.toml")
-    assert p.landing_bytes == 152_064 * 5_120 * 2 and p.actor_fits
+    assert p.actor_memory.landing_bytes == 152_064 * 5_120 * 2 and p.actor_memory.fits
     assert "outside vLLM" in render(p) and "fits (landing buffer + NCCL)" in render(p)
     tight = plan_of("orz_32b_ppo.toml", "actor.gpu_memory_utilization=0.99")
-    assert tight.actor_fits is False and "DOES NOT FIT: lower actor.gpu_memory_utilization" in render(tight)
-    assert plan_of("orz_0p5b_ppo.toml", "weights.bucket_mb=2048").landing_bytes == 2048 << 20  # a bucket above every weight
+    assert tight.actor_memory.fits is False and "DOES NOT FIT: lower actor.gpu_memory_utilization" in render(tight)
+    assert plan_of("orz_0p5b_ppo.toml", "weights.bucket_mb=2048").actor_memory.landing_bytes == 2048 << 20  # a bucket above every weight
     unknown = make_plan(default("model.path=/nonexistent"))
-    assert unknown.landing_bytes is None and unknown.actor_fits is None and "outside vLLM" not in render(unknown)
+    assert unknown.actor_memory is None and "outside vLLM" not in render(unknown)
     on_cpu = plan_of("orz_0p5b_ppo.toml", "actor.device=cpu")
-    assert on_cpu.landing_bytes is None and "Memory per actor GPU" not in render(on_cpu)
+    assert on_cpu.actor_memory is None and "Memory per actor GPU" not in render(on_cpu)
 
 
 ORZ_STOPS = ["User:", "Human:", "Assistant:", "</answer>"]
@@ -439,6 +439,6 @@ def test_recipes_end_with_a_departures_table(path):
 
 def test_top_p_counts_the_sorted_chunk():
     """Top-p masking sorts each chunk of logits (learner/train/scoring.py): 12 more bytes per logit of a chunk."""
-    plain = plan_of("orz_0p5b_ppo.toml").activations
-    nucleus = plan_of("orz_0p5b_ppo.toml", "rollout.top_p=0.9").activations
+    plain = plan_of("orz_0p5b_ppo.toml").learner_memory.activations
+    nucleus = plan_of("orz_0p5b_ppo.toml", "rollout.top_p=0.9").learner_memory.activations
     assert nucleus.head - plain.head == 1024 * 151936 * 12 and nucleus.layers == plain.layers

@@ -3,9 +3,11 @@
 `python -m deploy.config_list --markdown` renders the same listing as docs/configuration.md, so that page
 cannot drift from the code: tests/unit/test_docs.py fails when the file differs from what this prints.
 
-The docs are the comments in protocol/config.py, read from its source: the comment after a field, or the comment
-lines right above it (a field whose doc takes several lines). The defaults come from the dataclasses themselves,
-so the listing is the config the code runs, and tests/integration/test_cli_commands.py checks every field has a doc.
+The docs are the comments in protocol/config/, read from the source of the module that defines each section's
+class: the comment after a field, or the comment lines right above it (a field whose doc takes several lines;
+also any doc too long for one line, which ruff format would otherwise wrap into parentheses where this listing
+no longer finds it). The defaults come from the dataclasses themselves, so the listing is the config the code
+runs, and tests/integration/test_cli_commands.py checks every field has a doc.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import re
 import sys
 import tokenize
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, get_type_hints
 
-from protocol import config as config_module
 from protocol.config import Config, toml_value
 
 
@@ -43,7 +45,16 @@ def _comments(source: str) -> dict[int, str]:
     return out
 
 
-def _field_docs(cls: type, tree: ast.Module, comments: dict[int, str], lines: list[str]) -> dict[str, list[str]]:
+@cache
+def _module_source(name: str) -> tuple[ast.Module, dict[int, str], list[str]]:
+    """A module's syntax tree, its comments by line, and its lines."""
+    source = inspect.getsource(sys.modules[name])
+    return ast.parse(source), _comments(source), source.splitlines()
+
+
+def _field_docs(cls: type) -> dict[str, list[str]]:
+    """Field name -> its doc lines, from the source of the module that defines `cls`."""
+    tree, comments, lines = _module_source(cls.__module__)
     (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
     docs: dict[str, list[str]] = {}
     for stmt in node.body:
@@ -76,11 +87,9 @@ def sections() -> list[tuple[str, type]]:
 
 
 def field_docs() -> list[FieldDoc]:
-    source = inspect.getsource(config_module)
-    tree, comments, lines = ast.parse(source), _comments(source), source.splitlines()
     out = []
     for section, cls in sections():
-        docs = _field_docs(cls, tree, comments, lines)
+        docs = _field_docs(cls)
         out += [FieldDoc(section, f.name, _default(f), docs.get(f.name, [])) for f in dataclasses.fields(cls)]
     return out
 
@@ -108,7 +117,7 @@ def render(prefix: str = "") -> str:
 MARKDOWN_COMMAND = "python -m deploy.config_list --markdown > docs/configuration.md"
 
 _MARKDOWN_INTRO = f"""\
-<!-- Generated from protocol/config.py by `{MARKDOWN_COMMAND}`. Do not edit by hand:
+<!-- Generated from protocol/config/ by `{MARKDOWN_COMMAND}`. Do not edit by hand:
      tests/unit/test_docs.py fails when this file differs from what that command prints. -->
 
 # Configuration
@@ -124,8 +133,14 @@ e.g. `fleetrl: config error: train.lr: must be > 0`.
 - `fleetrl plan CONFIG` checks the batch arithmetic and the memory per GPU ([recipes.md](recipes.md)).
 - [`configs/demo.toml`](../configs/demo.toml) spells out the demo; `configs/` holds the recipes.
 
-This page is the listing of `protocol/config.py`: the defaults are the dataclasses' own, and each doc is the
-comment beside (or above) the field.
+**Updates and optimizer steps.** An *update* trains one rollout batch (`train.prompts_per_step` prompts x
+`rollout.samples_per_prompt` completions) in S = `train.mini_batches` x `train.ppo_epochs` *optimizer steps*.
+The policy version and `train.warmup_steps` count optimizer steps; `train.total_steps`, `eval.every_steps`,
+`checkpoint.every_steps` and `log.samples_every_steps` count updates.
+
+This page is the listing of `protocol/config/`: the defaults are the dataclasses' own, and each doc is the
+comment beside (or above) the field in the module named under its section, whose `__post_init__` checks it.
+A field whose doc lists its choices takes only those (`Literal[...]` in the code).
 """
 
 
@@ -160,7 +175,8 @@ def render_markdown() -> str:
     names = list(dict.fromkeys(f.section for f in fields))
     out = [_MARKDOWN_INTRO, "Sections: " + " · ".join(f"[{name}](#{name})" for name in names), ""]
     for section in names:
-        out += [f"## {section}", ""]
+        source = classes[section].__module__.replace(".", "/") + ".py"
+        out += [f"## {section}", "", f"Defined in [`{source}`](../{source}).", ""]
         doc = inspect.cleandoc(classes[section].__doc__ or "")
         if doc and not doc.startswith(classes[section].__name__ + "("):
             out += [_md_escape(" ".join(doc.split())), ""]

@@ -1,0 +1,100 @@
+"""The learner's update: batch sizes, optimizer and parallelism (train), and the RL algorithm (algo).
+
+An update trains one rollout batch (train.prompts_per_step prompts) in S = train.mini_batches x
+train.ppo_epochs optimizer steps. The policy version counts optimizer steps; train.total_steps counts updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from protocol.config.errors import check_choices, need, parse_cpus
+
+Advantage = Literal["grpo", "dr_grpo", "gae"]
+Correction = Literal["none", "tis", "decoupled"]
+KlEstimator = Literal["k1", "k3"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    # prompts (groups) in one update's rollout batch, trained in mini_batches x ppo_epochs optimizer steps
+    prompts_per_step: int = 16
+    total_steps: int = 100  # updates (rollout batches) in the run, not optimizer steps; total_episodes overrides it
+    total_episodes: int = 0  # run length in samples (prompts x samples_per_prompt); 0 = use total_steps
+    mini_batches: int = 1  # optimizer steps per rollout batch and PPO epoch (the batch split evenly)
+    ppo_epochs: int = 1  # passes over each rollout batch: an update takes mini_batches x ppo_epochs optimizer steps
+    lr: float = 5e-4  # AdamW peak learning rate
+    warmup_steps: int = 10  # linear LR warmup, in optimizer steps; Adam's first steps are sign-like and jolt a small policy
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip
+    zero_stage: Literal[0, 1, 2, 3] = 2  # DeepSpeed ZeRO stage (0, 1, 2 or 3)
+    micro_batch_samples: int = 64  # samples per forward/backward per data-parallel rank (accumulation beyond)
+    # Token budget of one forward/backward per rank (0 = count micro-batches in samples, micro_batch_samples).
+    # > 0: each rank packs its samples greedily up to this many tokens (prompt + completion), as verl's
+    # ppo_max_token_len_per_gpu; micro_batch_samples is then ignored. With sequence parallelism one micro-batch
+    # holds up to budget x sequence_parallel_size tokens, split over the SP group.
+    max_tokens_per_micro_batch: int = 0
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward: long generations fit (8k-16k)
+    logprob_chunk_tokens: int = 1024  # tokens per chunk of the vocabulary projection: no [tokens, vocab] fp32 tensor
+    packing: bool = True  # pack a micro-batch's samples into one row (no padding) instead of padding them
+    sequence_parallel_size: int = 1  # learner ranks that share one packed sequence (ring attention)
+    threads: int = 1  # torch intra-op threads in the learner process
+    cpu_affinity: str = ""  # CPU ids the learner may run on, e.g. "0" or "0-3" ("" = all)
+
+    def __post_init__(self) -> None:
+        check_choices(self, "train")
+        need(self.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+        need(self.total_steps >= 1, "train.total_steps", "must be >= 1")
+        need(self.lr > 0, "train.lr", "must be > 0")
+        need(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        need(self.total_episodes >= 0, "train.total_episodes", "must be >= 0 (0 = use train.total_steps)")
+        need(self.mini_batches >= 1, "train.mini_batches", "must be >= 1")
+        need(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
+        need(self.micro_batch_samples >= 1, "train.micro_batch_samples", "must be >= 1")
+        need(self.max_tokens_per_micro_batch >= 0, "train.max_tokens_per_micro_batch", "must be >= 0 (0 = count in samples)")
+        need(self.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens", "must be >= 1")
+        need(self.sequence_parallel_size >= 1, "train.sequence_parallel_size", "must be >= 1")
+        need(
+            self.sequence_parallel_size == 1 or self.packing,
+            "train.sequence_parallel_size",
+            f"{self.sequence_parallel_size} needs train.packing = true (SP splits one packed row)",
+        )
+        parse_cpus(self.cpu_affinity, "train.cpu_affinity")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgoConfig:
+    advantage: Advantage = "grpo"  # grpo (group mean/std) | dr_grpo (group mean only) | gae (critic + GAE, i.e. PPO)
+    gamma: float = 1.0  # GAE discount (advantage = gae only)
+    lam: float = 1.0  # GAE lambda (advantage = gae only); 1.0 with gamma 1.0 is Open-Reasoner-Zero's setting
+    clip_low: float = 0.2  # ratio floor 1 - clip_low
+    clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO's clip-higher raises it)
+    correction: Correction = "tis"  # off-policy correction for stale samples: none | tis | decoupled
+    tis_cap: float = 2.0  # cap C of the truncated importance weight (tis, decoupled)
+    kl_coef: float = 0.0  # weight of the KL penalty to the frozen reference model (0 = no reference model)
+    kl_estimator: KlEstimator = "k3"  # k1 (log ratio) | k3 (unbiased, non-negative)
+    keep_reference: bool = False  # hold the reference model even at kl_coef = 0, to report KL to it (as ORZ does)
+    entropy_coef: float = 0.0  # entropy bonus weight
+    filter_equal_rewards: bool = False  # drop groups whose rewards are all equal (no GRPO signal)
+    value_clip: float = 0.2  # critic: clip of the value update around the old values
+    critic_lr: float = 5e-6  # critic's AdamW learning rate
+    critic_path: str = ""  # critic init (HF folder); "" = the policy model's weights with a fresh value head
+    advantage_normalize: bool = False  # gae: whiten the advantages over the whole rollout batch (Open-Reasoner-Zero does)
+
+    def __post_init__(self) -> None:
+        check_choices(self, "algo")
+        need(0 <= self.gamma <= 1, "algo.gamma", "must be in [0, 1]")
+        need(0 <= self.lam <= 1, "algo.lam", "must be in [0, 1]")
+        need(0 < self.clip_low < 1, "algo.clip_low", "must be in (0, 1)")
+        need(self.clip_high > 0, "algo.clip_high", "must be > 0")
+        need(self.tis_cap >= 1, "algo.tis_cap", "must be >= 1 (a cap below 1 would shrink on-policy weights)")
+        need(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+        need(self.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0")
+        need(self.value_clip > 0, "algo.value_clip", "must be > 0")
+        need(self.critic_lr > 0, "algo.critic_lr", "must be > 0")
+        need(
+            not self.advantage_normalize or self.advantage == "gae",
+            "algo.advantage_normalize",
+            f"whitens GAE advantages; algo.advantage = {self.advantage} normalises within each group already",
+        )

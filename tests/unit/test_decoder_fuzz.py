@@ -253,3 +253,27 @@ def test_rewritten_header_structures(which, pick, action, value):
     paths = list(_paths(header))
     header = _rewrite(header, paths[pick % len(paths)], action, value)
     check([msgpack.packb(header, use_bin_type=True), *frames[1:]])
+
+
+_any = hs.recursive(
+    hs.none() | hs.booleans() | hs.integers(-(2**63), 2**64 - 1) | hs.floats() | hs.text(max_size=8) | hs.binary(max_size=8),
+    lambda c: hs.lists(c, max_size=6) | hs.dictionaries(hs.text(max_size=4), c, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_any)
+def test_whole_headers_of_arbitrary_structure(obj):
+    """Headers built around arbitrary MessagePack: today's layout, an old version's, the positional array of protocols
+    2-5, and no layout at all, each alone and before a valid group's array frames."""
+    frames = VALID[[type(s).__name__ for s in SAMPLES].index("RolloutGroup")]
+    for header in (
+        {"v": m.PROTOCOL_VERSION, "t": "RolloutGroup", "f": obj, "a": obj},
+        {"v": 1, "t": "RolloutGroup", "f": obj, "a": obj},
+        [m.PROTOCOL_VERSION, "RolloutGroup", obj, obj],
+        obj,
+    ):
+        packed = msgpack.packb(header, use_bin_type=True)
+        check([packed])
+        check([packed, *frames[1:]])

@@ -1,6 +1,5 @@
 """Rank 0's intake with algo.filter_equal_rewards: equal-reward groups are consumed and the batch topped up."""
 
-import threading
 import time
 
 import numpy as np
@@ -53,10 +52,27 @@ def test_filter_gives_up_after_the_cap_and_keeps_the_update_size():
     assert len(hub.buffer) == 1  # the informative group is still there for the next update
 
 
+class _StopWhileWaiting:
+    """The hub, but its first wait for more groups times out and the SIGTERM handler sets the stop flag meanwhile."""
+
+    def __init__(self, hub: Hub, stop: dict):
+        self.hub, self.stop, self.waits = hub, stop, 0
+
+    def take_batch(self, n, timeout_s=None):
+        if len(self.hub.buffer) < n:
+            self.waits += 1
+            self.stop.update(flag=True)
+            raise TimeoutError
+        return self.hub.take_batch(n, timeout_s)
+
+    def __getattr__(self, name):
+        return getattr(self.hub, name)
+
+
 def test_stopping_while_topping_up_returns_taken_groups_to_the_queue():
     hub = _hub_with([[1, 1, 1], [0, 1, 0]], "algo.filter_equal_rewards=true")
     keys = [item.key for item in hub.buffer]
     stop = {"flag": False}
-    threading.Timer(1.5, lambda: stop.update(flag=True)).start()  # SIGTERM while it waits for a third group
-    assert take_batch(hub, hub.cfg, stop, structlog.get_logger()) is None
+    waiting = _StopWhileWaiting(hub, stop)  # SIGTERM while it waits for a third group
+    assert take_batch(waiting, hub.cfg, stop, structlog.get_logger()) is None and waiting.waits == 1
     assert [hub.ledger.entries[k].state for k in keys] == [State.PENDING, State.PENDING]

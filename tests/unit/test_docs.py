@@ -24,7 +24,7 @@ def pages() -> list[Path]:
 def test_configuration_page_is_generated():
     page = ROOT / "docs" / "configuration.md"
     assert page.read_text() == render_markdown(), (
-        f"docs/configuration.md differs from protocol/config.py's listing: regenerate it with `{MARKDOWN_COMMAND}`"
+        f"docs/configuration.md differs from the listing of protocol/config/: regenerate it with `{MARKDOWN_COMMAND}`"
     )
 
 

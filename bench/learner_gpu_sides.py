@@ -95,7 +95,7 @@ def weight_rates(source, bucket_mb: int, reps: int, device: torch.device) -> dic
 def run_fleetrl(case: Case, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> dict:
     from learner.plan import make_plan
     from learner.train.distributed import init_distributed, make_topology
-    from learner.train.engines import StepLayout
+    from learner.train.engines import UpdateLayout
     from learner.train.trainer import Trainer
     from learner.weights.source import WeightSource
 
@@ -104,7 +104,7 @@ def run_fleetrl(case: Case, device: torch.device, dtype: torch.dtype, args: argp
     topo = make_topology(1)
     model = build_model(case, topo.device, dtype)
     params = sum(p.numel() for p in model.parameters())
-    trainer = Trainer(cfg, model, topo, StepLayout.of(make_plan(cfg, num_prompts=case.samples // case.group)))
+    trainer = Trainer(cfg, model, topo, UpdateLayout.of(make_plan(cfg, num_prompts=case.samples // case.group)))
 
     def step(update: Update) -> float:
         stats = trainer.update(update.share)

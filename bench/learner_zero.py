@@ -41,7 +41,7 @@ def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: li
     from bench.synthetic import synthetic_groups
     from learner.plan import make_plan
     from learner.train.distributed import init_distributed, make_topology
-    from learner.train.engines import StepLayout
+    from learner.train.engines import UpdateLayout
     from learner.train.shard import make_shares, scatter_shares
     from learner.train.trainer import Trainer
     from learner.weights.source import WeightSource
@@ -54,7 +54,7 @@ def rank_main(model_dir: str, out: str, warmup: int, updates: int, overrides: li
     from transformers import AutoModelForCausalLM
 
     plan = make_plan(cfg, num_prompts=100)
-    layout = StepLayout.of(plan)
+    layout = UpdateLayout.of(plan)
     trainer = Trainer(cfg, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), topo, layout)
     source = WeightSource(cfg, trainer.engine, topo)
     version, tokens, t0 = 0, 0, 0.0

@@ -43,7 +43,7 @@ from learner.resume import (
 )
 from learner.root import run_root
 from learner.train.distributed import Topology, init_distributed, make_topology
-from learner.train.engines import StepLayout
+from learner.train.engines import UpdateLayout
 from learner.train.shard import scatter_shares
 from learner.train.trainer import Trainer
 from learner.weights.source import WeightSource
@@ -91,13 +91,13 @@ def _run_rank(cfg: Config, resume: bool) -> int:
             f"cluster: the plan has {plan.placement.learner_ranks} learner ranks "
             f"(learner_nodes x learner_gpus_per_node, or debug_gpus), torchrun started {topo.world}"
         )
-    layout = StepLayout.of(plan)
+    layout = UpdateLayout.of(plan)
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
     trainer = Trainer(cfg, model, topo, layout)
     checkpoint = None
     if resume:
         checkpoint = agree_on_checkpoint(topo, run_dir)
-        check_compatible(read_learner_state(checkpoint), topo, cfg.train.zero_stage, layout.steps)
+        check_compatible(read_learner_state(checkpoint), topo, cfg.train.zero_stage, layout.optimizer_steps)
         load_engines(trainer, checkpoint / STATE_DIR)
         log.info("learner.resumed_engines", checkpoint=str(checkpoint), optimizer_steps=trainer.engine.global_steps)
     if not topo.is_root:

@@ -114,7 +114,7 @@ def run_root(
             LearnerState(
                 updates=run.updates,
                 version=hub.version,
-                steps_per_update=trainer.layout.steps,
+                steps_per_update=trainer.layout.optimizer_steps,
                 world=topo.world,
                 zero_stage=cfg.train.zero_stage,
                 hub=hub.export_state(),
@@ -131,7 +131,7 @@ def run_root(
         ranks=topo.world,
         dp=topo.dp_size,
         sp=topo.sp_size,
-        steps_per_update=trainer.layout.steps,
+        steps_per_update=trainer.layout.optimizer_steps,
         hub=cfg.hub.bind,
         weight_port=sender.port,
         updates=run.updates,
@@ -158,7 +158,7 @@ def run_root(
             run.updates = n
             run.totals.add(update.stats)
             if update.stats.critic_failed_steps:
-                log.warning("learner.critic_step_skipped", steps=update.stats.critic_failed_steps, update=n)
+                log.warning("learner.critic_optimizer_step_skipped", optimizer_steps=update.stats.critic_failed_steps, update=n)
             set_context(policy_version=update.version)
             t_sync = time.monotonic()
             # Weights that did not move (every step skipped) are not sent again; the followers skip their part too.

@@ -164,8 +164,8 @@ def settle(hub: UpdateHub, items: list[Accepted], start: int, applied: int, fail
     version = start + applied
     if failed:
         log.warning(
-            "learner.step_skipped",
-            steps=failed,
+            "learner.optimizer_step_skipped",
+            optimizer_steps=failed,
             applied=applied,
             version=version,
             requeued=len(items),

@@ -14,26 +14,29 @@ from learner.rollout_stats import rollout_metrics
 from learner.train.trainer import UpdateStats
 from learner.update import Update
 
+SKIPPED, CRITIC_SKIPPED = "train/skipped_optimizer_steps", "train/critic_skipped_optimizer_steps"
+
 
 @dataclass(kw_only=True, slots=True)
 class Totals:
     """Run totals that go in every row (and come back from the checkpoint's last row on --resume)."""
 
-    skipped_steps: int = 0  # optimizer steps that failed (learner/train/step_check.py)
+    skipped_optimizer_steps: int = 0  # optimizer steps that failed (learner/train/step_check.py)
     refused_batches: int = 0  # rollout batches refused before training (learner/train/batch.py)
-    critic_skipped_steps: int = 0  # the GAE critic's failed steps (its weights stayed as they were)
+    critic_skipped_optimizer_steps: int = 0  # the GAE critic's failed optimizer steps (its weights stayed as they were)
 
     @classmethod
     def of(cls, row: dict) -> Totals:
+        """From a checkpoint's last row (a checkpoint written before the keys named optimizer steps has the old keys)."""
         return cls(
-            skipped_steps=int(row.get("train/skipped_steps", 0)),
+            skipped_optimizer_steps=int(row.get(SKIPPED, row.get("train/skipped_steps", 0))),
             refused_batches=int(row.get("train/refused_batches", 0)),
-            critic_skipped_steps=int(row.get("train/critic_skipped_steps", 0)),
+            critic_skipped_optimizer_steps=int(row.get(CRITIC_SKIPPED, row.get("train/critic_skipped_steps", 0))),
         )
 
     def add(self, stats: UpdateStats) -> None:
-        self.skipped_steps += len(stats.failed_steps)
-        self.critic_skipped_steps += len(stats.critic_failed_steps)
+        self.skipped_optimizer_steps += len(stats.failed_steps)
+        self.critic_skipped_optimizer_steps += len(stats.critic_failed_steps)
 
 
 def update_row(step: int, update: Update, totals: Totals, *, step_s: float, wall_s: float, part_names: set[str], critic: bool) -> dict:
@@ -63,8 +66,8 @@ def update_row(step: int, update: Update, totals: Totals, *, step_s: float, wall
         "adv_abs_mean": float(update.advantages.abs().mean()),
         "max_staleness": update.max_staleness,
         "groups_filtered": len(update.filtered),
-        "train/skipped_steps": totals.skipped_steps,
-        **({"train/critic_skipped_steps": totals.critic_skipped_steps} if critic else {}),
+        SKIPPED: totals.skipped_optimizer_steps,
+        **({CRITIC_SKIPPED: totals.critic_skipped_optimizer_steps} if critic else {}),
         "train/refused_batches": totals.refused_batches,
         "batch/actors": len({g.actor_id for g in groups}),
         **rollout,

@@ -5,7 +5,7 @@ reference, each with the attention that matches the micro-batch layout (learner/
     critic (algo.advantage = gae)          the same, with algo.critic_lr
     reference (KL, algo.keep_reference)    a plain frozen model on the device: no optimizer, never synced
 
-DeepSpeed's config is derived from the run's batch layout (StepLayout): the trainer tells DeepSpeed where each
+DeepSpeed's config is derived from the run's batch layout (UpdateLayout): the trainer tells DeepSpeed where each
 optimizer step falls, so its own accumulation count is bookkeeping only.
 """
 
@@ -24,7 +24,7 @@ from protocol.config import Config
 
 
 @dataclass(frozen=True, slots=True)
-class StepLayout:
+class UpdateLayout:
     """The per-rank batch arithmetic of one update (validated at start by learner/plan/layout.py)."""
 
     mini_batches: int
@@ -33,13 +33,13 @@ class StepLayout:
     accumulation: int  # micro-batches per optimizer step on one rank (with a token budget, the most there can be)
 
     @classmethod
-    def of(cls, plan: Plan) -> StepLayout:
+    def of(cls, plan: Plan) -> UpdateLayout:
         """The layout `fleetrl plan` computed for this run (learner/plan/layout.py checks it adds up)."""
         b = plan.batch
         return cls(mini_batches=b.mini_batches, ppo_epochs=b.ppo_epochs, micro_samples=b.micro_batch, accumulation=b.accumulation)
 
     @property
-    def steps(self) -> int:
+    def optimizer_steps(self) -> int:
         """Optimizer steps per update: S = mini_batches x ppo_epochs."""
         return self.mini_batches * self.ppo_epochs
 
@@ -54,7 +54,7 @@ class Engines:
 
 
 def build_engines(
-    cfg: Config, model: torch.nn.Module, topo: Topology, layout: StepLayout, attention: str, critic: bool, reference: bool
+    cfg: Config, model: torch.nn.Module, topo: Topology, layout: UpdateLayout, attention: str, critic: bool, reference: bool
 ) -> Engines:
     """`attention`: the implementation matching the micro-batch layout; `critic`, `reference`: whether the algorithm
     needs them (the caller's loss and advantage units say)."""
@@ -98,7 +98,7 @@ def build_engines(
     return out
 
 
-def deepspeed_config(cfg: Config, layout: StepLayout, lr: float, cuda: bool) -> dict:
+def deepspeed_config(cfg: Config, layout: UpdateLayout, lr: float, cuda: bool) -> dict:
     return {
         "train_micro_batch_size_per_gpu": layout.micro_samples,
         "gradient_accumulation_steps": layout.accumulation,

@@ -15,7 +15,7 @@ float32): the weights may now hold NaN, so settle() raises NonFiniteStep and the
 from the last checkpoint.
 
 The GAE critic has its own engine and its own watch: a critic step that failed leaves the critic as it was
-(counted, train/critic_skipped_steps) and does not touch the policy's outcome; one applied with NaN would
+(counted, train/critic_skipped_optimizer_steps) and does not touch the policy's outcome; one applied with NaN would
 make every later advantage NaN, so it stops the learner too.
 """
 

@@ -31,7 +31,7 @@ from learner import staleness as st
 from learner.train.advantages import make_advantage
 from learner.train.batch import TokenBatch
 from learner.train.distributed import Topology
-from learner.train.engines import StepLayout, build_engines
+from learner.train.engines import UpdateLayout, build_engines
 from learner.train.layout import attention_implementation, micro_batch_layout
 from learner.train.losses import make_policy_loss, value_loss
 from learner.train.scoring import score_tokens
@@ -59,7 +59,7 @@ class UpdateStats:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model: torch.nn.Module, topo: Topology, layout: StepLayout):
+    def __init__(self, cfg: Config, model: torch.nn.Module, topo: Topology, layout: UpdateLayout):
         self.cfg, self.topo, self.layout = cfg, topo, layout
         self.advantage = make_advantage(cfg.algo)
         self.policy_loss = make_policy_loss(cfg.algo)
@@ -83,7 +83,7 @@ class Trainer:
 
     def update(self, share: Share) -> UpdateStats:
         """Train this rank's share: S optimizer steps from `share.version`. Stats are summed over ranks."""
-        steps, version, max_staleness = self.layout.steps, share.version, share.max_staleness
+        steps, version, max_staleness = self.layout.optimizer_steps, share.version, share.max_staleness
         for s in share.samples:  # the hard invariant, checked once more where it matters
             assert st.admissible(version, s.version_min, max_staleness, steps), (
                 f"sample of version {s.version_min} in update {version} -> {version + steps} breaks max_staleness={max_staleness}"
@@ -172,7 +172,7 @@ class Trainer:
         """Before the first step: what must come from the weights as they were (prox, reference, old values, GAE)."""
         out: dict[str, torch.Tensor] = {}
         dev = self.topo.device
-        if self.policy_loss.needs_prox and self.layout.steps > 1:
+        if self.policy_loss.needs_prox and self.layout.optimizer_steps > 1:
             self.engine.eval()
             out["prox"] = self._score(mb, entropy=False)[0]
         if self.reference is not None:

@@ -35,7 +35,7 @@ from learner.resume import (  # noqa: E402
     write_learner_state,
 )
 from learner.train.distributed import init_distributed, make_topology  # noqa: E402
-from learner.train.engines import StepLayout  # noqa: E402
+from learner.train.engines import UpdateLayout  # noqa: E402
 from learner.train.shard import make_shares, scatter_shares  # noqa: E402
 from learner.train.trainer import Trainer  # noqa: E402
 from learner.weights.source import WeightSource  # noqa: E402
@@ -52,7 +52,7 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     plan = make_plan(cfg, num_prompts=100)
-    layout = StepLayout.of(plan)
+    layout = UpdateLayout.of(plan)
     trainer = Trainer(cfg, model, topo, layout)
     source = WeightSource(cfg, trainer.engine, topo)  # 1 MiB buckets (weights.bucket_mb=1): several of them
     first, version = 0, 0
@@ -68,7 +68,12 @@ def main() -> None:
         write_learner_state(
             path / STATE_DIR,
             LearnerState(
-                updates=done, version=version, steps_per_update=layout.steps, world=topo.world, zero_stage=cfg.train.zero_stage, hub={}
+                updates=done,
+                version=version,
+                steps_per_update=layout.optimizer_steps,
+                world=topo.world,
+                zero_stage=cfg.train.zero_stage,
+                hub={},
             ),
         )
 
@@ -85,7 +90,7 @@ def main() -> None:
         share = scatter_shares(topo, shares)
         stats = trainer.update(share)
         flats = source.take()
-        version += trainer.layout.steps
+        version += trainer.layout.optimizer_steps
         done = update + 1
         losses[done] = stats.loss
         if checkpoints is not None and save_step:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 from bench.synthetic import synthetic_groups  # noqa: E402
 from learner.plan import make_plan  # noqa: E402
 from learner.train.distributed import init_distributed, make_topology  # noqa: E402
-from learner.train.engines import StepLayout  # noqa: E402
+from learner.train.engines import UpdateLayout  # noqa: E402
 from learner.train.shard import make_shares, scatter_shares  # noqa: E402
 from learner.train.trainer import Trainer  # noqa: E402
 from learner.weights.source import WeightSource  # noqa: E402
@@ -52,7 +52,7 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
     plan = make_plan(cfg, num_prompts=100)
-    layout = StepLayout.of(plan)
+    layout = UpdateLayout.of(plan)
     trainer = Trainer(cfg, model, topo, layout)
     source = WeightSource(cfg, trainer.engine, topo)  # 1 MiB buckets (weights.bucket_mb=1): several of them
     losses, grad_norms, extras, micro, version, flats = [], [], [], [], 0, None
@@ -66,7 +66,7 @@ def main() -> None:
         micro.append(share.micro_sizes)  # rank 0's: how its samples were cut into micro-batches
         stats = trainer.update(share)
         flats = source.take()
-        version += trainer.layout.steps
+        version += trainer.layout.optimizer_steps
         losses.append(stats.loss)
         grad_norms.append(stats.grad_norm)
         extras.append({**stats.extra, "packing_efficiency": stats.packing_efficiency, "padded_efficiency": stats.padded_efficiency})

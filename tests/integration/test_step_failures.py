@@ -37,7 +37,7 @@ def make_trainer(model_dir, *overrides):
 
     from learner.plan import make_plan
     from learner.train.distributed import init_distributed, make_topology
-    from learner.train.engines import StepLayout
+    from learner.train.engines import UpdateLayout
     from learner.train.trainer import Trainer
     from protocol.config import load_config
 
@@ -56,8 +56,8 @@ def make_trainer(model_dir, *overrides):
     )
     init_distributed()
     torch.manual_seed(0)
-    layout = StepLayout.of(make_plan(cfg, num_prompts=100))
-    assert layout.steps == STEPS and layout.accumulation == 1  # one micro-batch per optimizer step
+    layout = UpdateLayout.of(make_plan(cfg, num_prompts=100))
+    assert layout.optimizer_steps == STEPS and layout.accumulation == 1  # one micro-batch per optimizer step
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     return cfg, Trainer(cfg, model, make_topology(1), layout)
 
@@ -132,7 +132,7 @@ def critic_weights(trainer):
 
 
 def test_a_skipped_critic_step_is_reported_and_leaves_the_policy_alone(tiny_model_dir, monkeypatch):
-    """The GAE critic has its own optimizer: its failed step is counted apart (train/critic_skipped_steps), keeps the
+    """The GAE critic has its own optimizer: its failed step is counted apart (train/critic_skipped_optimizer_steps), keeps the
     critic's weights, and the policy's steps, whose advantages came from the values before the update, all apply."""
     cfg, trainer = make_trainer(tiny_model_dir, "train.zero_stage=2", "algo.advantage=gae", "algo.critic_lr=1e-3")
     share = one_share(cfg, trainer)

@@ -144,13 +144,13 @@ def test_deepspeed_zero2_guarded_sync(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from learner.train.distributed import init_distributed, make_topology
-    from learner.train.engines import StepLayout
+    from learner.train.engines import UpdateLayout
     from learner.train.trainer import Trainer
     from protocol.config import load_config
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "train.zero_stage=2", "train.micro_batch_samples=64", "weights.bucket_mb=1"])
     init_distributed()
-    layout = StepLayout(mini_batches=1, ppo_epochs=1, micro_samples=64, accumulation=2)
+    layout = UpdateLayout(mini_batches=1, ppo_epochs=1, micro_samples=64, accumulation=2)
     trainer = Trainer(cfg, AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32), make_topology(1), layout)
     named = list(trainer.engine.module.named_parameters())
     sender = WeightSender.for_params(cfg.weights, named, "float32")

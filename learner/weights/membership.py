@@ -1,6 +1,6 @@
 """Who goes into which weight-group epoch, so that a member that cannot join holds the others up once at most.
 
-Joining a new epoch has its own deadline, `weights.join_timeout_s` (learner/weights/sync.py): every member
+Joining a new epoch has its own deadline, `weights.join_timeout_s` (learner/weights/state.py): every member
 sets its joined key, then the group connects (gloo's rendezvous, NCCL's communicator init). Until an actor
 has joined an epoch in its current registration it is unproven: registering says its engine is up (the
 actor registers only after its engine has started, actors/main.py), not that it can reach the weight store
@@ -18,7 +18,7 @@ and the other ranks. So:
 Actors registered before the first sync (version 0 comes from model.path: there was nothing to prove it
 with) are regular members: one of them that never joins delays the first sync by the join deadline, once.
 
-No I/O and no lock: the sender calls it under its own lock and does the sending and evicting.
+No I/O and no lock: part of the sender's decisions (learner/weights/state.py), which say whom the sender evicts.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ across weight syncs: the loads write the parameters in place (actors/worker_ext.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -34,6 +33,7 @@ import numpy as np
 
 from protocol.config import Config
 from protocol.messages import WeightSync
+from protocol.worker_rpc import ReceiveWeights, WeightsReceived, arrived
 
 
 @dataclass(kw_only=True, slots=True)
@@ -236,16 +236,16 @@ class Engine:
         except ValueError:  # a real-time signal has no name
             return {"process": name, "exit_code": code, "signal": str(-code)}
 
-    async def apply_weights(self, sync: WeightSync, leave_group: bool = False) -> dict[str, Any]:
-        """Pause between engine steps (in-flight requests are kept), receive and load, resume.
+    async def apply_weights(self, sync: WeightSync, leave_group: bool = False) -> tuple[WeightsReceived, float]:
+        """Pause between engine steps (in-flight requests are kept), receive and load, resume: the workers' merged
+        answer, and the generation stall in seconds (pause to resume; `paused_s` in the actor's log).
 
         `leave_group`: the worker first drops its weight group and store (the learner that made them is gone).
-        `paused_s` is the generation stall: pause to resume. A failed sync (`error` in the result,
-        actors/weight_receiver.py) that loaded some buckets leaves the engine holding parts of two
-        versions: it stays paused, and the next complete sync resumes it (pausing again is harmless).
+        A failed sync (its `error` set, actors/weight_receiver.py) that loaded some buckets leaves the engine
+        holding parts of two versions: it stays paused, and the next complete sync resumes it (pausing again is
+        harmless).
         """
-        fields = {f.name: getattr(sync, f.name) for f in dataclasses.fields(sync)}
-        fields["leave_group"] = leave_group
+        request = ReceiveWeights(sync=sync, leave_group=leave_group)
         t0 = time.perf_counter()
         # AsyncLLM.pause_generation is this call plus a 20 ms sleep "not required for correctness" (vLLM's
         # words: it lets outputs already produced reach their callers first). It is a stall on every sync.
@@ -254,14 +254,14 @@ class Engine:
         torn = False
         try:
             # Every worker runs it at once (one per GPU with tensor parallelism), each as its own rank.
-            results = await self.llm.collective_rpc("fleetrl_receive", args=(fields,), timeout=sync.timeout_s + 30)
-            result = merge_results(results)
-            torn = "error" in result and result["buckets_loaded"] > 0
+            # Each answer crossed vLLM's msgpack hop back: the map of its fields (protocol/worker_rpc.py).
+            answers = await self.llm.collective_rpc("fleetrl_receive", args=(request,), timeout=sync.timeout_s + 30)
+            result = merge_results([arrived(WeightsReceived, a) for a in answers])
+            torn = result.torn
         finally:
             if not torn:
                 await self.llm.resume_generation()
-        result["paused_s"] = time.perf_counter() - t0
-        return result
+        return result, time.perf_counter() - t0
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """SIGTERM to the engine core; vLLM SIGKILLs its process tree if it has not exited `timeout_s` (None: vLLM's
@@ -278,15 +278,20 @@ def _already_shut_down(timeout: float | None = None) -> None:
     pass
 
 
-def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_results(results: list[WeightsReceived]) -> WeightsReceived:
     """One report for the workers' receives: the slowest worker's times; failed if any failed, with the most
     buckets any worker loaded (a single torn worker leaves the whole engine holding two versions)."""
     assert results, "collective_rpc returned no worker result"
-    errors = [r for r in results if "error" in r]
+    errors = [r for r in results if r.error is not None]
     if errors:
-        return {
-            "error": "; ".join(sorted({r["error"] for r in errors})),
-            "buckets_loaded": max(r.get("buckets_loaded", 0) for r in results),
-            "failed_after_s": max(r.get("failed_after_s", 0.0) for r in errors),
-        }
-    return {k: max(float(r[k]) for r in results) for k in results[0]}
+        return WeightsReceived.failure(
+            "; ".join(sorted({r.error for r in errors if r.error is not None})),
+            max(r.buckets_loaded or 0 for r in results),
+            max(r.failed_after_s or 0.0 for r in errors),
+        )
+    return WeightsReceived(
+        join_s=max(r.join_s for r in results),
+        recv_load_s=max(r.recv_load_s for r in results),
+        repacked=max(r.repacked for r in results),
+        repack_s=max(r.repack_s for r in results),
+    )

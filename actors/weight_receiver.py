@@ -7,7 +7,7 @@ Where the buckets land is the group's choice (WeightSync.backend, protocol/weigh
 writes them into a buffer on this worker's GPU (its current CUDA device, set by vLLM), gloo
 into host memory (pinned beside a GPU). load_weights copies from there into the parameters.
 
-A failure is reported, never raised, and leaves no group behind: the learner forms a new
+A failure is reported (WeightsReceived.error, protocol/worker_rpc.py), never raised, and leaves no group behind: the learner forms a new
 epoch and sends again. Whatever ends a receive, it ends soon (protocol/abortable.py):
 - the learner gave the epoch up (a member died): its `abort` key is set; seen within `poll_s`;
 - a peer closed its connection (gloo raises at once), or the weight store is gone (the learner died);
@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from protocol import weights as wg
 from protocol.abortable import Abortable, Aborted, Graveyard, abort_key, joined_key
+from protocol.messages import WeightSync
 from protocol.net import local_addr_towards
+from protocol.worker_rpc import WeightsReceived
 
 Load = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -49,21 +50,22 @@ class WeightReceiver:
         self.buffer: torch.Tensor | None = None  # one landing buffer kept across syncs (fresh memory page-faults on first touch)
         self.graveyard = Graveyard()
 
-    def receive(self, sync: dict[str, Any], load: Load) -> dict[str, Any]:
-        """Join `sync["group_epoch"]` if it is new, receive every bucket into `load`; a failure comes back as `error`."""
+    def receive(self, sync: WeightSync, rank: int, load: Load) -> WeightsReceived:
+        """Join `sync.group_epoch` as `rank` if it is new, receive every bucket into `load`; a failure comes back as
+        its `error`."""
         t0 = time.perf_counter()
-        epoch, loaded = sync["group_epoch"], 0
+        epoch, loaded = sync.group_epoch, 0
         try:
             control = self._control(sync)
             waits = Abortable(
-                should_abort=lambda: _given_up(control, epoch), timeout_s=sync["timeout_s"], graveyard=self.graveyard, poll_s=self.poll_s
+                should_abort=lambda: _given_up(control, epoch), timeout_s=sync.timeout_s, graveyard=self.graveyard, poll_s=self.poll_s
             )
             if (why := waits.should_abort()) is not None:  # queued behind a sync that failed: the epoch is already over
                 raise Aborted(f"epoch {epoch}: {why}")
-            group = self._join(sync, control, waits)
+            group = self._join(sync, rank, control, waits)
             t_join = time.perf_counter()
-            dtype, backend = wg.DTYPES[sync["dtype"]], sync["backend"]
-            need = wg.landing_numel(sync["shapes"], dtype, sync["bucket_bytes"])
+            dtype, backend = wg.DTYPES[sync.dtype], sync.backend
+            need = wg.landing_numel(sync.shapes, dtype, sync.bucket_bytes)
             device = wg.group_device(backend, self.local)
             buf = self.buffer
             if buf is None or buf.dtype != dtype or buf.numel() < need or buf.device != device:
@@ -71,10 +73,10 @@ class WeightReceiver:
                 self.buffer = wg.landing_buffer(need, dtype, backend, self.local)
             for pairs in wg.receive_buckets(
                 group,
-                sync["names"],
-                sync["shapes"],
+                sync.names,
+                sync.shapes,
                 dtype,
-                sync["bucket_bytes"],
+                sync.bucket_bytes,
                 self.buffer,
                 bcast=waits.broadcast,
                 backend=backend,
@@ -91,8 +93,8 @@ class WeightReceiver:
         except RuntimeError as e:  # Aborted; the backend's DistBackendError (peer gone, timeout); DistStoreError (learner gone)
             self.leave(drop_store=not isinstance(e, Aborted))
             first_line = (str(e).splitlines() or [type(e).__name__])[0]
-            return {"error": first_line[:500], "buckets_loaded": loaded, "failed_after_s": time.perf_counter() - t0}
-        return {"join_s": t_join - t0, "recv_load_s": time.perf_counter() - t_join}
+            return WeightsReceived.failure(first_line[:500], loaded, time.perf_counter() - t0)
+        return WeightsReceived(join_s=t_join - t0, recv_load_s=time.perf_counter() - t_join)
 
     def leave(self, drop_store: bool = False) -> None:
         """Drop the group (its abandoned operations live on in the graveyard) and the landing buffer they may still write."""
@@ -103,29 +105,29 @@ class WeightReceiver:
             self.control, self.control_at = None, None
         self.graveyard.prune()
 
-    def _control(self, sync: dict[str, Any]) -> dist.TCPStore:
-        at = (sync["store_host"], sync["store_port"])
+    def _control(self, sync: WeightSync) -> dist.TCPStore:
+        at = (sync.store_host, sync.store_port)
         if self.control is None or self.control_at != at:
-            self.control = wg.open_store(at[0], at[1], is_master=False, timeout_s=sync["timeout_s"])
+            self.control = wg.open_store(at[0], at[1], is_master=False, timeout_s=sync.timeout_s)
             self.control_at = at
         return self.control
 
-    def _join(self, sync: dict[str, Any], control: dist.TCPStore, waits: Abortable) -> dist.ProcessGroup:
-        host, port, epoch = sync["store_host"], sync["store_port"], sync["group_epoch"]
+    def _join(self, sync: WeightSync, rank: int, control: dist.TCPStore, waits: Abortable) -> dist.ProcessGroup:
+        host, port, epoch = sync.store_host, sync.store_port, sync.group_epoch
         if self.group is not None and self.joined == (host, port, epoch):
             return self.group
-        backend = sync["backend"]  # the learner's choice for this epoch: every rank must agree
+        backend = sync.backend  # the learner's choice for this epoch: every rank must agree
         # Resolved here, before saying "joined" (a rank that cannot take part must not), and on this thread: the join
         # thread has a current CUDA device of its own.
         device = wg.group_device(backend, self.local)
         self.leave()
-        control.set(joined_key(epoch, sync["rank"]), "1")
+        control.set(joined_key(epoch, rank), "1")
         bind = local_addr_towards(host, port)
 
         def build(made: Callable[[dist.ProcessGroup], None]) -> dist.ProcessGroup:
             # Its own store client: gloo's rendezvous blocks in `get` while a member is missing, holding the client.
-            store = wg.open_store(host, port, is_master=False, timeout_s=sync["timeout_s"])
-            return wg.open_group(store, bind, epoch, sync["rank"], sync["world_size"], sync["timeout_s"], backend, device, made)
+            store = wg.open_store(host, port, is_master=False, timeout_s=sync.timeout_s)
+            return wg.open_group(store, bind, epoch, rank, sync.world_size, sync.timeout_s, backend, device, made)
 
         self.group = waits.build(build, lambda group: wg.close_group(group, backend))
         self.joined, self.backend = (host, port, epoch), backend

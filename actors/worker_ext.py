@@ -1,6 +1,7 @@
 """Mixed into vLLM's worker (`worker_extension_cls`): receives weights from the learner.
 
-Runs inside the engine's worker process, reached with `collective_rpc`.
+Runs inside the engine's worker process, reached with `collective_rpc`: it takes and answers the typed
+messages of protocol/worker_rpc.py (vLLM's msgpack hop delivers them as the maps of their fields: `arrived`).
 
 CPU pitfall this module exists to avoid: at load time the CPU build replaces each
 linear layer's weight by a prepacked copy (oneDNN or sgl-kernel GEMM) and empties
@@ -41,6 +42,7 @@ import torch
 from actors import lifeline
 from actors.weight_receiver import WeightReceiver
 from protocol import weights as wg
+from protocol.worker_rpc import GemmLayers, ReceiveWeights, WeightsReceived, arrived
 
 lifeline.attach()  # this process hosts a vLLM worker: it dies with the actor (a no-op if deploy/cli.py attached it)
 
@@ -83,38 +85,32 @@ class FleetWeightReceiver:
         """This worker's device identity (protocol/weights.device_identity): what the actor registers, one per worker."""
         return wg.device_identity(wg.local_device())
 
-    def fleetrl_receive(self, sync: dict[str, Any]) -> dict[str, Any]:
-        """Join the weight group of `sync["group_epoch"]` if new, receive every bucket, load it, repack.
-
-        A failure comes back as `error` (actors/weight_receiver.py), with `buckets_loaded`.
-        `sync["leave_group"]`: drop the group and the store first (the learner that made them is
-        gone; a restarted one may host its store on the same port, with epochs from 1 again).
-        """
+    def fleetrl_receive(self, request: ReceiveWeights | dict[str, Any]) -> WeightsReceived:
+        """Join the weight group of the sync's epoch if new, receive every bucket, load it, repack. A failure comes
+        back as the answer's `error` (actors/weight_receiver.py), with `buckets_loaded`. `request` is the map of its
+        fields when it crossed vLLM's msgpack hop (protocol/worker_rpc.py)."""
+        req = arrived(ReceiveWeights, request)
         receiver = getattr(self, "_fleetrl_receiver", None)
         if receiver is None:
             receiver = self._fleetrl_receiver = WeightReceiver()
-        if sync.pop("leave_group", False):
+        if req.leave_group:
             receiver.leave(drop_store=True)
-        if not 0 <= self.rank < sync["ranks"]:  # the actor registered fewer workers than the engine has
-            return {
-                "error": f"worker rank {self.rank} is outside the {sync['ranks']} ranks this actor was given",
-                "buckets_loaded": 0,
-                "failed_after_s": 0.0,
-            }
-        mine = {**sync, "rank": sync["rank"] + self.rank}
+        sync = req.sync
+        if not 0 <= self.rank < sync.ranks:  # the actor registered fewer workers than the engine has
+            return WeightsReceived.failure(f"worker rank {self.rank} is outside the {sync.ranks} ranks this actor was given", 0, 0.0)
         model = self.model_runner.get_model()
-        result = receiver.receive(mine, model.load_weights)
-        if "error" not in result:
+        result = receiver.receive(sync, sync.rank + self.rank, model.load_weights)
+        if not result.failed:
             t0 = time.perf_counter()
-            result["repacked"] = float(self._fleetrl_repack(model))
-            result["repack_s"] = time.perf_counter() - t0
+            result.repacked = self._fleetrl_repack(model)
+            result.repack_s = time.perf_counter() - t0
         return result
 
-    def fleetrl_gemm(self) -> dict[str, int]:
-        """How the model's CPU linear layers compute: {"plain": n, "packed": n} (layers that run vLLM's packing)."""
+    def fleetrl_gemm(self) -> GemmLayers:
+        """How the model's CPU linear layers compute: plain F.linear, or vLLM's packed copy."""
         layers = [m for m in self.model_runner.get_model().modules() if hasattr(m, "cpu_linear")]
         packed = sum(map(_packed, layers))
-        return {"plain": len(layers) - packed, "packed": packed}
+        return GemmLayers(plain=len(layers) - packed, packed=packed)
 
     @staticmethod
     def _fleetrl_repack(model: torch.nn.Module) -> int:

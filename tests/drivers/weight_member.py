@@ -98,16 +98,15 @@ def main() -> None:
                 control.set(joined_key(sync.group_epoch, sync.rank), "1")
                 say(event="stalled", version=sync.policy_version, epoch=sync.group_epoch)
                 continue
-            fields = {f: getattr(sync, f) for f in sync.__dataclass_fields__}
-            result = receiver.receive(fields, loader(sync, digest))
+            result = receiver.receive(sync, sync.rank, loader(sync, digest))
             seconds = round(time.perf_counter() - t0, 3)
-            if "error" in result:
+            if result.failed:
                 say(
                     event="failed",
                     version=sync.policy_version,
                     epoch=sync.group_epoch,
-                    error=result["error"],
-                    buckets_loaded=result["buckets_loaded"],
+                    error=result.error,
+                    buckets_loaded=result.buckets_loaded,
                     seconds=seconds,
                 )
                 continue

@@ -464,10 +464,10 @@ def test_a_failed_handshake_names_the_key_at_fault(tmp_path):
 
 
 def test_an_actor_says_which_key_its_handshake_failed_on(tmp_path):
-    """The actor's own lines (actors/main.py). With another server key libzmq retries forever, so the actor keeps
+    """The actor's own lines (actors/session.py, actors/main.py). With another server key libzmq retries forever, so the actor keeps
     going and keeps saying why: once in actor.handshake_failed, again in each actor.waiting_for_learner. With an
     unlisted client key (final) it stops, exit code 1, with actor.key_refused naming the client key."""
-    from actors.main import CONNECTION_EVENTS, Actor
+    from actors.main import Actor
 
     keys, stranger = tmp_path / "keys", tmp_path / "stranger"
     auth.generate(keys, ["actor-a"])
@@ -478,8 +478,8 @@ def test_an_actor_says_which_key_its_handshake_failed_on(tmp_path):
 
     async def run(actor, seconds):
         ctx = zmq.asyncio.Context()
-        actor.sock = transport.client_socket(ctx, addr, 64, 1 << 20, actor.keys, events=CONNECTION_EVENTS)
-        tasks = [asyncio.ensure_future(actor._watch_connection()), asyncio.ensure_future(actor._heartbeat())]
+        actor.session.connect(ctx, devices=[""])
+        tasks = [asyncio.ensure_future(actor._watch_connection()), asyncio.ensure_future(actor.session.heartbeat())]
         try:
             await asyncio.wait_for(actor.stop.wait(), timeout=seconds)
         except TimeoutError:
@@ -505,7 +505,7 @@ def test_an_actor_says_which_key_its_handshake_failed_on(tmp_path):
         )
         asyncio.run(run(unlisted, 5.0))
         no_keys = Actor(load_config(None, ["rollout.samples_per_prompt=2", f"run.dir={tmp_path / 'run'}"]), addr, "no-keys")
-        assert no_keys.keys is None  # CURVE off on loopback
+        assert no_keys.session.keys is None  # CURVE off on loopback
         asyncio.run(run(no_keys, 1.5))
     finally:
         hub.stop()

@@ -4,7 +4,10 @@ A real vLLM AsyncLLM (CPU build) serves a tiny model; the learner side perturbs 
 own copy, and WeightSender broadcasts it over a real gloo weight group into the
 engine's worker. The vLLM CPU build silently keeps stale packed linear weights after
 a naive update (24 nats of error were measured), so this is the test that matters.
-It runs once per `actor.cpu_gemm`: plain torch linear layers, and vLLM's packed ones.
+It runs once per `actor.cpu_gemm` (plain torch linear layers, and vLLM's packed ones), and once with vLLM's
+worker in a process of its own (`actor.worker_in_engine = false`): the typed messages of protocol/worker_rpc.py then
+cross a second hop, pickled from the engine core to the worker and back, after the msgpack hop from the actor's
+process to the engine core that every engine has.
 """
 
 import asyncio
@@ -16,6 +19,7 @@ import torch
 from learner.train.batch import Sample, make_micro_batch, token_logprobs
 from learner.weights.sync import WeightSender
 from protocol.config import load_config
+from protocol.worker_rpc import GemmLayers, arrived
 
 pytestmark = pytest.mark.engine
 
@@ -64,8 +68,13 @@ def max_mismatch(engine, model, prompt, temperature):
     return max(float(np.abs(learner_logprobs(model, prompt, c.token_ids, temperature) - c.logprobs).max()) for c in completions)
 
 
-@pytest.fixture(scope="module", params=["torch", "vllm"])
+# (actor.cpu_gemm, actor.worker_in_engine): one engine each, shared by the tests of this file.
+ENGINES = [("torch", True), ("vllm", True), ("torch", False)]
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=[f"{gemm}-{'in-engine' if inside else 'worker-process'}" for gemm, inside in ENGINES])
 def setup(tmp_path_factory, request):
+    gemm, worker_in_engine = request.param
     from transformers import AutoModelForCausalLM
 
     from actors.engine import Engine
@@ -82,7 +91,8 @@ def setup(tmp_path_factory, request):
             "actor.prefix_caching=on",  # its salt is proven below; a block of 32 tokens lets a test prompt fill one
             "actor.block_size=32",
             "weights.bucket_mb=1",
-            f"actor.cpu_gemm={request.param}",
+            f"actor.cpu_gemm={gemm}",
+            f"actor.worker_in_engine={str(worker_in_engine).lower()}",
         ],
     )
     loop = asyncio.new_event_loop()
@@ -108,20 +118,23 @@ async def _make_engine(cls, cfg):
 def _sync(cfg, engine, sender, hub, version, loop, snapshot=None):
     sender.sync(version, hub, snapshot)  # sends WeightSync and returns; the broadcast runs in the background
     msg = hub.sent.pop()
-    info = loop.run_until_complete(engine.apply_weights(msg))
+    info, paused_s = loop.run_until_complete(engine.apply_weights(msg))
     done = sender.wait()
     assert "weights/failed" not in done and done["time/broadcast"] > 0, done
+    assert not info.failed and info.recv_load_s > 0 and paused_s >= info.recv_load_s, info
     return msg, info
 
 
 def test_logprobs_match_after_sync(setup):
     cfg, engine, model, loop = setup
     prompt = np.array([5, 6, 17, 7, 15], dtype=np.int32)
-    (gemm,) = loop.run_until_complete(engine.llm.collective_rpc("fleetrl_gemm"))
+    # vLLM's "uni" executor calls the worker inside the engine core; "mp" runs it in a process of its own.
+    assert engine.llm.vllm_config.parallel_config.distributed_executor_backend == ("uni" if cfg.actor.worker_in_engine else "mp")
+    (gemm,) = [arrived(GemmLayers, g) for g in loop.run_until_complete(engine.llm.collective_rpc("fleetrl_gemm"))]
     if cfg.actor.cpu_gemm == "torch":
-        assert gemm["plain"] > 0 and gemm["packed"] == 0, gemm
+        assert gemm.plain > 0 and gemm.packed == 0, gemm
     else:
-        assert gemm["packed"] > 0, gemm  # vLLM's packed copies: the path that goes stale without a repack
+        assert gemm.packed > 0, gemm  # vLLM's packed copies: the path that goes stale without a repack
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4  # same weights from disk
 
     torch.manual_seed(0)
@@ -135,7 +148,7 @@ def test_logprobs_match_after_sync(setup):
     assert len(sender.buckets) > 1  # weights.bucket_mb=1: this model spans several buckets
     hub = DirectHub(["engine"])
     msg, info = _sync(cfg, engine, sender, hub, 1, loop)
-    assert msg.group_epoch == 1 and info["repacked"] == gemm["packed"]
+    assert msg.group_epoch == 1 and info.repacked == gemm.packed
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4
 
     # A second sync into a new group epoch (membership changed) must work the same way.

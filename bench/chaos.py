@@ -10,9 +10,9 @@ A learner and two actors (real processes: vLLM engines, DeepSpeed, ZeroMQ) train
   actor_attach   start one more actor (at most --max-actors alive)
   learner_kill   SIGKILL the learner, then `fleetrl learner --resume`: the actors wait and re-register
   staleness      `fleetrl ctl set max_staleness K` with K drawn from 0..3 (at least S - 1)
-  rogue          a client that registers as an actor and answers its grants with one bad group of each kind:
-                 token id >= vocabulary, negative token id, reward 3e38, a completion longer than
-                 rollout.max_tokens, an empty prompt, a prompt never granted, a logprob of -200
+  rogue          a client that registers as an actor and answers its grants with one bad group of each kind
+                 (bench/rogue.py): token id >= vocabulary, negative token id, reward 3e38, a completion longer
+                 than rollout.max_tokens, an empty prompt, a prompt never granted, a logprob of -200
 
 Then the learner is stopped with SIGTERM and everything else after it. The table:
 
@@ -42,21 +42,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import zmq
-
 from actors.lifeline import descendants
 from bench.fleet import Fleet, exit_on_sigterm, when
+from bench.rogue import Rogue
 from deploy.ctl import set_setting
 from deploy.launch import demo_model
-from protocol import messages as m
-from protocol import transport
-from protocol.codec import encode
 from protocol.config import load_config
 
 STALL_S = 10.0
 ORPHAN_WAIT_S = 10.0
-BAD_KINDS = ("vocab", "negative_id", "huge_reward", "too_long", "empty_prompt", "never_granted", "low_logprob")
 FAULTS = ("actor_kill", "actor_attach", "learner_kill", "staleness", "rogue")
 SETTINGS = [
     "train.total_steps=100000",
@@ -108,7 +102,8 @@ class RssWatch:
     """Peak RSS per process label, sampled every second on a thread; engine processes are labelled by their actor."""
 
     def __init__(self, token: str):
-        self.token, self.peak_mib = token, Counter()
+        self.token = token
+        self.peak_mib: dict[str, float] = {}
         self.owner: dict[int, str] = {}  # pid -> label of the fleet process it descends from
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -124,117 +119,7 @@ class RssWatch:
                     for d in descendants(pid):
                         self.owner.setdefault(d, f"{name}: child")
                 name = self.owner.get(pid, name)
-                self.peak_mib[name] = max(self.peak_mib[name], rss_kib(pid) / 1024)
-
-
-# ---- the rogue client ---------------------------------------------------------------------------------
-@dataclass
-class Rogue:
-    """A client that speaks the protocol and sends one bad group of each kind; records what came back."""
-
-    addr: str
-    vocab: int
-    max_tokens: int
-    samples: int
-    replies: dict[str, str] = field(default_factory=dict)  # kind -> reply code (or what happened)
-    sessions: int = 0
-    actor: str = ""  # the id of the current session
-
-    def run(self, kinds: tuple[str, ...] = BAD_KINDS, timeout_s: float = 90.0) -> None:
-        ctx = zmq.Context()
-        todo = list(kinds)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while todo and time.monotonic() < deadline:
-                self.sessions += 1
-                self._session(ctx, todo, deadline)
-        finally:
-            ctx.destroy(linger=0)
-        for kind in todo:
-            self.replies.setdefault(kind, "no grant")
-
-    def _session(self, ctx: zmq.Context, todo: list[str], deadline: float) -> None:
-        """One connection, one actor id: register, ask for work, answer each grant with the next bad group."""
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(self.addr)
-        actor = self.actor = f"rogue-{self.sessions}"
-        try:
-            ack = self._ask(sock, m.Register(actor_id=actor, host="rogue", pid=os.getpid(), served_version=0), deadline)
-            if not isinstance(ack, m.RegisterAck):
-                return
-            # Claims the learner's version without loading it, as a broken actor would.
-            sock.send_multipart(encode(m.WeightVersion(actor_id=actor, served_version=ack.policy_version, group_epoch=0, load_s=0.0)))
-            while todo and time.monotonic() < deadline:
-                sock.send_multipart(encode(m.WorkRequest(actor_id=actor, max_prompts=2)))  # one may still be held
-                grant = self._wait(sock, m.WorkGrant, min(deadline, time.monotonic() + 5))
-                if grant is None:
-                    return  # evicted, quarantined or no work: a new session
-                kind = todo[0]
-                reply = self._ask(sock, self._bad(kind, actor, grant), min(deadline, time.monotonic() + 5))
-                self.replies[kind] = reply.code if isinstance(reply, m.Error) else type(reply).__name__ if reply else "no reply"
-                todo.pop(0)
-                if isinstance(reply, m.Error) and reply.code != "rejected":
-                    return  # quarantined or forgotten: go on as someone new
-        finally:
-            sock.close(linger=0)
-
-    def _ask(self, sock: zmq.Socket, msg: m.Message, deadline: float) -> m.Message | None:
-        sock.send_multipart(encode(msg))
-        return self._wait(sock, (m.Error, m.RegisterAck), deadline)
-
-    def _wait(self, sock: zmq.Socket, kinds, deadline: float) -> m.Message | None:
-        """The next message of `kinds`. A WeightSync is answered with a claim to serve its version, weights never
-        loaded, so that the hub keeps granting to this client (it grants only to actors serving the current version)."""
-        while (left := deadline - time.monotonic()) > 0:
-            if not sock.poll(int(left * 1000)):
-                return None
-            msg = transport.decode_frames(sock.recv_multipart(), 1 << 24)
-            if isinstance(msg, m.WeightSync):
-                sock.send_multipart(
-                    encode(m.WeightVersion(actor_id=self.actor, served_version=msg.policy_version, group_epoch=msg.group_epoch, load_s=0.0))
-                )
-            if isinstance(msg, kinds):
-                return msg
-        return None
-
-    def _bad(self, kind: str, actor: str, grant: m.WorkGrant) -> m.RolloutGroup:
-        n = self.samples
-        lengths = np.full(n, 2, np.int32)
-        tokens = np.ones(2 * n, np.int32)
-        logprobs = np.full(2 * n, -0.5, np.float32)
-        rewards = np.ones(n, np.float32)
-        prompt, prompt_id, epoch = grant.prompt_tokens, grant.prompt_id, grant.epoch
-        if kind == "vocab":
-            tokens[0] = self.vocab
-        elif kind == "negative_id":
-            tokens[0] = -1
-        elif kind == "huge_reward":
-            rewards[0] = 3e38
-        elif kind == "too_long":
-            lengths[0] = 1000 * self.max_tokens
-            tokens = np.ones(int(lengths.sum()), np.int32)
-            logprobs = np.full(tokens.size, -0.5, np.float32)
-        elif kind == "empty_prompt":
-            prompt = np.zeros(0, np.int32)
-        elif kind == "never_granted":  # the next pass over the data: not opened yet, so granted to nobody
-            epoch += 1
-        elif kind == "low_logprob":
-            logprobs[0] = -200.0
-        return m.RolloutGroup(
-            actor_id=actor,
-            prompt_id=prompt_id,
-            epoch=epoch,
-            prompt_tokens=prompt,
-            lengths=lengths,
-            completion_tokens=tokens,
-            behaviour_logprobs=logprobs,
-            rewards=rewards,
-            finish_reasons=["stop"] * n,
-            version_min=grant.policy_version,
-            version_max=grant.policy_version,
-            gen_s=0.1,
-            reward_s=0.0,
-        )
+                self.peak_mib[name] = max(self.peak_mib.get(name, 0), rss_kib(pid) / 1024)
 
 
 # ---- the run ------------------------------------------------------------------------------------------

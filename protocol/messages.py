@@ -1,12 +1,11 @@
 """Every message that crosses a process boundary, typed.
 
-Arrays (token ids, logprobs, rewards) travel as raw frames beside a MessagePack
-header and arrive as numpy arrays: they are never turned into Python lists.
-Ragged per-completion data is one flat array plus a `lengths` array.
-Each message type lists its array fields in `ARRAYS` as {name: (dtype, ndim)}.
+Arrays (token ids, logprobs, rewards) travel as raw frames beside a MessagePack header and arrive as
+numpy arrays: they are never turned into Python lists. Ragged per-completion data is one flat array
+plus a `lengths` array. Each message type lists its array fields in `ARRAYS` as {name: (dtype, ndim)}.
 
-Versions: `policy_version` is the learner's optimizer-step count; a sample's
-version is the version of the weights that produced its oldest token.
+Versions: `policy_version` is the learner's optimizer-step count; a sample's version is that of the weights
+that produced its oldest token.
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ from typing import ClassVar
 
 import numpy as np
 
-# 2: positional header (protocol/codec.py); 3: WorkRequest.max_prompts is a capacity;
-# 4: Register.devices, WeightSync.ranks and WeightSync.backend (weight groups on GPUs);
-# 6: a map header again, naming every field and array (protocol/codec.py)
+# 2: positional header (protocol/codec.py); 3: WorkRequest.max_prompts is a capacity; 4: Register.devices,
+# WeightSync.ranks and WeightSync.backend (weight groups on GPUs); 6: a map header again, naming every field and array
 PROTOCOL_VERSION = 6
 WEIGHT_BACKENDS = ("nccl", "gloo")  # a weight group's torch.distributed backend; protocol/weights.py picks one per epoch
 MAX_RANKS_PER_ACTOR = 64  # weight-group ranks one registration may claim: a peer cannot grow the group without bound
@@ -171,10 +169,8 @@ class RolloutGroup(Message):
 
 @dataclass(kw_only=True, slots=True)
 class EvalGrant(Message):
-    """hub -> actor: generate for one evaluation prompt with the weights of exactly `policy_version`.
-
-    Evaluation work is outside the ledger and admission control: nothing here is trained on.
-    """
+    """hub -> actor: generate for one evaluation prompt with the weights of exactly `policy_version`. Evaluation
+    work is outside the ledger and admission control: nothing here is trained on."""
 
     ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {"prompt_tokens": ("int32", 1)}
     eval_round: int  # evaluation round (one per evaluated policy version)
@@ -234,8 +230,8 @@ class EvalResult(Message):
 class WeightSync(Message):
     """hub -> actor: join weight-group `group_epoch` and receive version `policy_version`.
 
-    The learner broadcasts the parameters named in `names`, in that order, packed
-    into flat buckets of at most `bucket_bytes` (see protocol.weights).
+    The learner broadcasts the parameters named in `names`, in that order, packed into flat buckets of at
+    most `bucket_bytes` (see protocol.weights).
     """
 
     policy_version: int
@@ -287,9 +283,8 @@ class Shutdown(Message):
 
 
 # ---- operations: `fleetrl ctl` and `fleetrl status` ------------------------------------------------
-# An operator's client (a DEALER, protocol.transport.client_socket) talks to the hub's ROUTER: one
-# request, one reply. It never registers; it is not an actor.
-
+# An operator's client (a DEALER, protocol.transport.client_socket) talks to the hub's ROUTER: one request,
+# one reply. It never registers; it is not an actor.
 CONTROL_KEYS = ("max_staleness",)  # settings `fleetrl ctl set` may change in a running learner
 
 
@@ -329,10 +324,10 @@ class StatusRequest(Message):
 class StatusReply(Message):
     """hub -> ops client: one snapshot of the learner and its fleet.
 
-    Per-actor arrays have one entry per actor, in the order of `actor_ids`.
-    `staleness_counts[s]` counts the last `staleness_window` (at most) groups taken for training
-    whose staleness was s, measured as the bound measures it: (u + S - 1) - v for a batch taken at
-    version u, S optimizer steps per update, sample version v.
+    Per-actor arrays have one entry per actor, in the order of `actor_ids`. `staleness_counts[s]` counts
+    the last `staleness_window` (at most) groups taken for training whose staleness was s, measured as the
+    bound measures it: (u + S - 1) - v for a batch taken at version u, S optimizer steps per update,
+    sample version v.
     """
 
     ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {

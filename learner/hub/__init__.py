@@ -2,6 +2,8 @@
 
 The hub owns the actor registry, admission control (the staleness bound), the ledger of every
 prompt's fate, the batch buffer, evaluation rounds and the operator's live controls. state.py holds
-that logic with no I/O (its records in records.py); server.py runs it on its own thread behind the
-ZeroMQ socket and CURVE gate.
+that logic with no I/O, composed of registry.py (the actors), groups.py (rollout groups admitted or
+refused), dispatch.py (grants) and updates.py (the policy version, the bound, the buffer); its records
+are in records.py. server.py is the learner's handle on it; thread.py runs it on its own thread behind
+the ZeroMQ socket and CURVE gate.
 """

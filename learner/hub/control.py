@@ -5,9 +5,9 @@
     fleetrl status                  --> StatusRequest  --> [hub ROUTER] --> status_reply() --> StatusReply
 
 Everything here runs on the hub thread, under the hub's lock. A change of max_staleness applies to
-every batch taken after it (HubState.take checks each group against the k in force at the take)
+every batch taken after it (Updates.take checks each group against the k in force at the take)
 and to admission at once; an update whose batch was already taken trains under the bound it was
-taken with (HubState.batch_max_staleness). The file is polled rather than re-read on a signal: a signal handler
+taken with (Updates.batch_max_staleness). The file is polled rather than re-read on a signal: a signal handler
 would run on the training thread, which may hold the hub's lock.
 """
 
@@ -29,7 +29,7 @@ def apply(hub: HubState, key: str, value: int, source: str) -> m.ControlReply:
     """Caller holds the hub's lock. Change one live setting; refused values leave it as it was and say why."""
     assert key in m.CONTROL_KEYS, key  # the codec's check() rejects unknown keys before this
     try:
-        previous = hub.set_max_staleness(value, source=source)
+        previous = hub.updates.set_max_staleness(value, source=source)
     except ValueError as e:
         hub.log.warning("hub.control_refused", key=key, value=value, source=source, error=str(e))
         k = hub.max_staleness
@@ -49,9 +49,9 @@ def status_reply(hub: HubState, now: float) -> m.StatusReply:
         sum(1 for t in s.arrivals if t >= now - RATE_WINDOW_S) * hub.cfg.rollout.samples_per_prompt / w
         for (_, s), w in zip(actors, window, strict=True)
     ]
-    recent = list(hub.recent_staleness)
+    recent = list(hub.updates.recent_staleness)
     states = hub.ledger.state_counts()
-    times = hub.times
+    times = hub.updates.times
     return m.StatusReply(
         policy_version=hub.version,
         max_staleness=hub.max_staleness,

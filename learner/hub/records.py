@@ -1,5 +1,5 @@
 """What the hub keeps per actor and per admitted group, what it sends, and its constants: plain records, no rules
-(those are learner/hub/state.py's)."""
+(the rules are in learner/hub/state.py and its parts: registry.py, groups.py, dispatch.py, updates.py)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class Out:
 
 @dataclass(kw_only=True, slots=True)
 class UpdateTimes:
-    """The training thread's timings of its last update, for `fleetrl status` (HubState.note_update)."""
+    """The training thread's timings of its last update, for `fleetrl status` (Updates.note_update)."""
 
     updates: int = 0
     step_s: float = 0.0  # batch wait + train + weight sync

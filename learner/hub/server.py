@@ -1,4 +1,5 @@
-"""The hub on learner rank 0: the state machine (learner/hub/state.py) behind a ROUTER socket, on its own thread.
+"""The hub on learner rank 0: the state machine (learner/hub/state.py) behind a ROUTER socket, on its own thread
+(learner/hub/thread.py); `Hub` is the learner's handle on both.
 
     actors --Register/Heartbeat/WorkRequest/RolloutGroup/EvalResult/WeightVersion--> [ROUTER + CURVE gate]
                                                                                       |
@@ -16,7 +17,6 @@ thread: it sends what the state returned after letting the lock go.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections import deque
@@ -24,25 +24,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import uvloop
-import zmq
-import zmq.asyncio
-
 from learner.data.prompts import PromptSet
-from learner.hub import control
 from learner.hub.evaluation import EvalRound
-from learner.hub.gatekeeper import Gatekeeper
 from learner.hub.ledger import Key, Ledger
-from learner.hub.records import MAX_DETAIL, Accepted, ActorState, Out
+from learner.hub.records import Accepted, ActorState, Out
 from learner.hub.state import HubState
-from protocol import auth, transport
+from learner.hub.thread import HubThread
 from protocol import messages as m
-from protocol.config import Config, ConfigError
-from protocol.logs import Throttle, get_logger
-
-DRAIN = 256  # messages read per poll of the hub's socket
-CLOSED_GRACE_S = 5.0  # how long messages of a closed connection are dropped (what it queued before closing)
-SEND_TIMEOUT_S = 10.0  # how long a grant or a WeightSync may wait for room in a peer's queue
+from protocol.config import Config
+from protocol.logs import get_logger
 
 
 class Hub:
@@ -54,25 +44,7 @@ class Hub:
         self.log = get_logger()
         self.cond = threading.Condition()
         self.state = HubState(cfg, prompts, time.monotonic(), vocab_size)
-        self.stopping = False
-        self.control_file = control.ControlFile(control_file) if control_file is not None else None
-        # CURVE keys (None: off, loopback only); a missing or bad key file fails here, before anything starts.
-        self._keys = auth.server_keys(cfg)
-        self._gate: Gatekeeper | None = None
-        self._throttles: dict[str, Throttle] = {name: Throttle(1.0) for name in ("bad_message", "send_failed")}
-        # Which connection (fd) each routing id last spoke on, so a closed connection names its actor at once.
-        self._fd_identity: dict[int, bytes] = {}
-        # Connections seen to close -> when. Messages such a connection queued before it closed can still be in the
-        # socket; handled after the removal, a queued Register would bring a dead actor back. ROUTER gives each new
-        # connection a new routing id, so these are dropped; only for a while (CLOSED_GRACE_S): an fd wrongly
-        # named (reused before its close was heard) must not silence the connection that reused it for good.
-        self._closed: dict[bytes, float] = {}
-        self._monitor: zmq.Socket | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fleetrl-hub", daemon=True)
-        self._start_error: BaseException | None = None
+        self._thread = HubThread(cfg, self.state, self.cond, control_file)  # reads the CURVE keys: a bad one fails here
 
     # ---- the state, read by the learner, its tests and `fleetrl status` ---------------------------------
     @property
@@ -89,7 +61,7 @@ class Hub:
 
     @property
     def batch_max_staleness(self) -> int:
-        return self.state.batch_max_staleness
+        return self.state.updates.batch_max_staleness
 
     @property
     def steps(self) -> int:
@@ -114,24 +86,20 @@ class Hub:
     # ---- training-thread API -------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
-        self._ready.wait()
-        if self._start_error is not None:
-            raise self._start_error
 
     def stop(self, reason: str = "run finished", tell_actors: bool = True) -> None:
         """Tell every actor to shut down (unless `tell_actors` is False: they wait for a resumed learner), then stop
         the hub thread."""
-        if self._loop is None or not self._thread.is_alive():
+        if not self._thread.alive:
             return
         try:
             if tell_actors:
                 with self.cond:
                     outs = [Out(s.identity, m.Shutdown(reason=reason), reply=False) for s in self.state.actors.values()]
-                asyncio.run_coroutine_threadsafe(self._deliver(outs), self._loop).result(timeout=10)
+                self._thread.send(outs, timeout_s=10)
         except TimeoutError:
             self.log.warning("hub.shutdown_timeout")
-        self.stopping = True
-        self._thread.join(timeout=10)
+        self._thread.stop()
 
     def take_batch(self, n: int, timeout_s: float | None = None) -> list[Accepted]:
         """Block until `n` admissible groups are buffered, take the oldest; drop (and requeue) any too stale."""
@@ -148,21 +116,21 @@ class Hub:
         """The update that consumed `trained` produced `version`; grants may resume."""
         with self.cond:
             self.state.finish_update(version, trained)
-        self._kick()
+        self._thread.kick()
 
     def abort_update(self, batch: list[Accepted], version: int | None = None) -> None:
         """A failed update returns its prompts to the queue (never silently lost); `version`: where the steps it
         applied took the weights (None: unchanged)."""
         with self.cond:
             self.state.abort_update(batch, version)
-        self._kick()
+        self._thread.kick()
 
     def start_eval(self, rnd: EvalRound) -> None:
         """Hand an eval round to the dispatcher: actors serving rnd.version get its prompts."""
         with self.cond:
             assert self.state.eval_round is None, "one eval round at a time"
             self.state.eval_round = rnd
-        self._kick()
+        self._thread.kick()
 
     def wait_eval(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> EvalRound:
         """Block until the round is answered, `timeout_s` passes or `should_stop()`; then close it.
@@ -181,14 +149,14 @@ class Hub:
     def set_max_staleness(self, k: int, source: str = "api") -> int:
         """Takes effect for admission at once and for every batch taken after it; returns the old k."""
         with self.cond:
-            old = self.state.set_max_staleness(k, source)
-        self._kick()
+            old = self.state.updates.set_max_staleness(k, source)
+        self._thread.kick()
         return old
 
     def note_update(self, step_s: float, sync_started: float | None, sync_s: float, broadcast_s: float | None) -> None:
         """The training thread's timings of the update it just finished, for `fleetrl status`."""
         with self.cond:
-            self.state.note_update(step_s, sync_started, sync_s, broadcast_s)
+            self.state.updates.note_update(step_s, sync_started, sync_s, broadcast_s)
 
     def live_actors(self) -> list[str]:
         with self.cond:
@@ -204,27 +172,25 @@ class Hub:
         """Remove a live actor (its grants go back to the queue). The weight sender evicts a member that never
         joined its group epoch; the actor hears `unknown_actor` on its next message and registers again."""
         with self.cond:
-            evicted = self.state.evict(actor_id, why)
+            evicted = self.state.registry.evict(actor_id, why)
         if evicted:
-            self._kick()
+            self._thread.kick()
 
     def devices(self, actor_ids: list[str]) -> list[list[str]]:
         with self.cond:
-            return self.state.devices(actor_ids)
+            return self.state.registry.devices(actor_ids)
 
     def send_weight_sync(self, members: list[str], make: Callable[[str], m.WeightSync]) -> None:
         """Send `make(actor_id)` (a WeightSync, its ranks chosen by the sender) to each member."""
-        assert self._loop is not None
         with self.cond:
             outs = [Out(s.identity, make(a), reply=False) for a in members if (s := self.state.actors.get(a)) is not None]
-        asyncio.run_coroutine_threadsafe(self._deliver(outs), self._loop).result(timeout=30)
+        self._thread.send(outs, timeout_s=30)
 
     def snapshot(self) -> dict[str, float]:
         """Counters for the metrics line."""
         with self.cond:
             out = self.state.snapshot()
-            if self._gate is not None:
-                out.update({f"hub/{k}": float(v) for k, v in self._gate.counts.items()})
+            out.update({f"hub/{k}": float(v) for k, v in self._thread.auth_counts().items()})
         return out
 
     def export_state(self) -> dict[str, Any]:
@@ -234,184 +200,6 @@ class Hub:
 
     def restore(self, state: dict[str, Any], version: int) -> None:
         """Before start(): continue from a checkpoint taken at `version`."""
-        assert not self._thread.is_alive(), "restore before the hub starts"
+        assert not self._thread.alive, "restore before the hub starts"
         with self.cond:
             self.state.restore(state, version, time.monotonic())
-
-    # ---- hub thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
-        loop = uvloop.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._serve())
-        finally:
-            loop.close()
-
-    def _kick(self) -> None:
-        """From the training thread: the state changed in a way that may allow grants."""
-        if self._loop is not None and not self.stopping:
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._pump()))
-
-    async def _pump(self) -> None:
-        with self.cond:
-            outs = self.state.pump(time.monotonic())
-        await self._deliver(outs)
-
-    async def _serve(self) -> None:
-        ctx = zmq.asyncio.Context()
-        if self._keys is not None:
-            self._gate = Gatekeeper(ctx, self._keys)  # the ZAP handler must exist before the socket binds
-        try:
-            self._sock = transport.hub_socket(ctx, self.cfg.hub.bind, self.cfg.hub.hwm, self.cfg.hub.max_frame_bytes, self._keys)
-        except zmq.ZMQError as e:
-            self._start_error = ConfigError(
-                f"hub.bind {self.cfg.hub.bind}: {e}: choose a free port on an address of this host (tcp://0.0.0.0:PORT binds them all)"
-            )
-            self._ready.set()
-            if self._gate is not None:
-                self._gate.stop()
-            ctx.term()
-            return
-        self.log.info("hub.listening", bind=self.cfg.hub.bind, curve=self._keys is not None)
-        monitor = transport.watch_disconnects(self._sock)
-        self._monitor = zmq.Socket.shadow(monitor.underlying)  # drained synchronously, see _drain_disconnects
-        poller = zmq.asyncio.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        self._ready.set()
-        housekeeping = asyncio.ensure_future(self._housekeeping())
-        try:
-            while not self.stopping:
-                ready = dict(await poller.poll(200))
-                self._drain_disconnects()
-                if self._sock not in ready:
-                    continue
-                # Read what is queued before polling again: one poll per burst, not per message (under a
-                # flood the poll's own overhead was most of the cost). Bounded, so stopping stays prompt.
-                for _ in range(DRAIN):
-                    try:
-                        frames = await self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    await self._on_frames(frames)
-        finally:
-            housekeeping.cancel()
-            self._monitor = None
-            self._sock.disable_monitor()
-            monitor.close(linger=0)
-            self._sock.close(linger=0)
-            if self._gate is not None:
-                self._gate.stop()
-            ctx.term()
-
-    async def _on_frames(self, frames: list) -> None:
-        identity, body = frames[0].bytes, frames[1:]
-        key = None
-        if self._gate is not None:
-            key = self._gate.admits(body[0]) if body else None
-            if key is None:
-                return  # its key was revoked after it connected: dropped unanswered (counted by the gate)
-        # Disconnects first: a closed connection's fd can be reused by the very connection this message came on.
-        self._drain_disconnects()
-        if self._closed and identity in self._closed:
-            if time.monotonic() - self._closed[identity] < CLOSED_GRACE_S:
-                with self.cond:
-                    self.state.counters["from_closed_connections"] += 1  # queued before the close: its actor is gone
-                return
-            del self._closed[identity]
-        fd = transport.peer_fd(frames[0])
-        if fd is not None and self._fd_identity.get(fd) != identity:
-            self._fd_identity[fd] = identity
-        try:
-            msg = transport.decode_frames(body, self.cfg.hub.max_frame_bytes)
-        except m.ProtocolError as e:
-            detail = str(e)[:MAX_DETAIL]
-            with self.cond:
-                self.state.counters["protocol_errors"] += 1
-            if (suppressed := self._throttles["bad_message"].ready()) is not None:
-                self.log.warning("hub.bad_message", error=detail, suppressed=suppressed)
-            await self._deliver([Out(identity, m.Error(code="protocol", detail=detail))])
-            return
-        now = time.monotonic()
-        with self.cond:
-            # Operations (learner/hub/control.py): one request, one reply; the client is not an actor.
-            if isinstance(msg, m.ControlRequest):
-                outs = [
-                    Out(identity, control.apply(self.state, msg.key, msg.value, source="fleetrl ctl"), reply=False),
-                    *self.state.pump(now),
-                ]
-            elif isinstance(msg, m.StatusRequest):
-                outs = [Out(identity, control.status_reply(self.state, now), reply=False)]
-            else:
-                outs = self.state.handle(identity, msg, now, key)
-            self.cond.notify_all()  # a group buffered or an eval answered: the training thread may be waiting on it
-        await self._deliver(outs)
-
-    async def _deliver(self, outs: list[Out]) -> None:
-        for out in outs:
-            if out.reply:
-                await self._reply(out.identity, out.msg)
-            else:
-                await self._send(out.identity, out.msg)
-
-    async def _send(self, identity: bytes, msg: m.Message) -> bool:
-        assert self._sock is not None, "hub socket used before bind"
-        try:
-            await asyncio.wait_for(transport.send(self._sock, msg, identity), timeout=SEND_TIMEOUT_S)
-            return True
-        except (zmq.ZMQError, TimeoutError) as e:  # EHOSTUNREACH: the peer is gone
-            with self.cond:
-                self.state.counters["send_failures"] += 1
-            if (suppressed := self._throttles["send_failed"].ready()) is not None:
-                self.log.warning("hub.send_failed", msg=type(msg).__name__, error=str(e), suppressed=suppressed)
-            return False
-
-    async def _reply(self, identity: bytes, msg: m.Message) -> None:
-        """An answer (Error, RegisterAck) that never waits: a peer that sends without reading its replies fills its
-        queue (HWM); waiting for room would hold up the hub's loop, and every honest actor with it, for up to
-        SEND_TIMEOUT_S. Dropped at the HWM and counted (hub/replies_dropped), never buffered."""
-        assert self._sock is not None, "hub socket used before bind"
-        try:
-            await transport.send(self._sock, msg, identity, flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # EAGAIN: its queue is full; EHOSTUNREACH: it is gone
-            with self.cond:
-                self.state.counters["replies_dropped"] += 1
-
-    def _drain_disconnects(self) -> None:
-        """Remove, at once, every actor whose connection closed (a killed process: its kernel closes the socket).
-
-        A link that silently dies closes nothing; the heartbeat timeout catches that. The fd names the
-        actor: it is the fd its last message came on (transport.peer_fd). Drained before each message,
-        so the event of a closed connection is handled before a new connection on the same fd is heard.
-        """
-        if self._monitor is None:
-            return
-        fds = transport.disconnected_fds(self._monitor)
-        if not fds:
-            return
-        now = time.monotonic()
-        with self.cond:
-            for fd in fds:
-                identity = self._fd_identity.pop(fd, None)
-                if identity is not None:
-                    self._closed = {i: t for i, t in self._closed.items() if now - t < CLOSED_GRACE_S}
-                    self._closed[identity] = now
-                    self.state.connection_closed(identity)
-        self._kick()
-
-    async def _housekeeping(self) -> None:
-        """Once a second: expire leases and declare silent actors dead, apply RUN_DIR/control.toml if it changed,
-        re-read the CURVE allow-list if it changed."""
-        while True:
-            await asyncio.sleep(1.0)
-            if self._gate is not None:
-                self._gate.reload()
-            settings = self.control_file.poll() if self.control_file is not None else []
-            now = time.monotonic()
-            with self.cond:
-                self.state.tick(now)
-                for key, value in settings:
-                    control.apply(self.state, key, value, source=f"file {self.control_file.path}")  # type: ignore[union-attr]
-                outs = self.state.pump(now)
-            await self._deliver(outs)

@@ -3,7 +3,8 @@ SIGKILLed alone, against a real fleet. Nothing crashes, nothing is lost, no engi
 
 import pytest
 
-from bench.chaos import BAD_KINDS, render, run
+from bench.chaos import render, run
+from bench.rogue import BAD_KINDS
 
 pytestmark = pytest.mark.engine
 

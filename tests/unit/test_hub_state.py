@@ -126,7 +126,7 @@ def test_a_closed_connection_releases_its_actor_and_listeners_hear_it(prompts):
     state.listeners.append(lambda actor, joined: heard.append((actor, joined)))
     register(state)
     state.handle(A, m.WorkRequest(actor_id="a0", max_prompts=3), 0.0)
-    state.connection_closed(A)
+    state.registry.connection_closed(A)
     assert heard == [("a0", True), ("a0", False)] and state.ledger.counts["requeued_dead"] == 3
     assert state.counters["actors_disconnected"] == 1
 
@@ -182,8 +182,8 @@ def test_eval_round_grants_to_actors_serving_its_version_and_takes_results(promp
 def test_max_staleness_refuses_a_bound_fresh_samples_would_break(prompts):
     state = hub(prompts, "train.mini_batches=2")
     with pytest.raises(ValueError, match="max_staleness: 0 < 2 optimizer steps"):
-        state.set_max_staleness(0, "test")
-    assert state.set_max_staleness(3, "test") == 1 and state.max_staleness == 3
+        state.updates.set_max_staleness(0, "test")
+    assert state.updates.set_max_staleness(3, "test") == 1 and state.max_staleness == 3
 
 
 def test_restore_continues_the_ledger_and_refuses_other_data(prompts):
@@ -204,9 +204,9 @@ def test_restore_continues_the_ledger_and_refuses_other_data(prompts):
 def test_an_update_without_a_sync_is_not_counted_as_one(prompts):
     """Every step skipped: nothing moved and nothing was sent, so `fleetrl status` must not show a sync."""
     state = hub(prompts)
-    state.note_update(1.0, 10.0, 0.2, 0.05)
-    state.note_update(1.5, None, 0.0, None)
-    t = state.times
+    state.updates.note_update(1.0, 10.0, 0.2, 0.05)
+    state.updates.note_update(1.5, None, 0.0, None)
+    t = state.updates.times
     assert (t.updates, t.syncs, t.sync_started, t.sync_s, t.broadcast_s, t.step_s) == (2, 1, 10.0, 0.2, 0.05, 1.5)
 
 

@@ -7,7 +7,7 @@ The docs are the comments in protocol/config/, read from the source of the modul
 class: the comment after a field, or the comment lines right above it (a field whose doc takes several lines;
 also any doc too long for one line, which ruff format would otherwise wrap into parentheses where this listing
 no longer finds it). The defaults come from the dataclasses themselves, so the listing is the config the code
-runs, and tests/integration/test_cli_commands.py checks every field has a doc.
+runs, and tests/unit/test_cli.py checks every field has a doc.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Learner restart: checkpoints hold the training state, `fleetrl learner --resume RUN_DIR` continues from the newest
 complete one, and running actors wait for the learner and come back by themselves.
 
-Unit tests: the ledger's state round trip (granted and received prompts return to pending, the order and the
-next epochs' shuffles continue exactly), metrics.jsonl cut back to the checkpoint, and an interrupted checkpoint
-write that resume must never take. The engine test kills a real learner (SIGKILL) mid-run and resumes it while
-its vLLM actor keeps running.
+Here: a resumed hub over its real socket, `--resume` without a checkpoint, an interrupted checkpoint write (a process
+killed mid-write) that resume must never take, resumed learner ranks under torchrun, and the engine test that kills a
+real learner mid-run and resumes it while its vLLM actor keeps running. In-process: the ledger's state round trip
+(granted and received prompts return to pending, the order and the next epochs' shuffles continue exactly) in
+tests/unit/test_ledger.py, and metrics.jsonl cut back to the checkpoint in tests/unit/test_run_dir.py.
 """
 
 from __future__ import annotations
@@ -21,62 +22,10 @@ import pytest
 from conftest import torchrun_driver
 
 from learner.hub.ledger import Ledger, State
-from learner.resume import LearnerState, latest_checkpoint, restore_metrics
+from learner.resume import latest_checkpoint
 from protocol.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _drain(ledger: Ledger, n: int) -> list:
-    return [ledger.next_pending() for _ in range(n)]
-
-
-def test_ledger_round_trip_requeues_in_flight_and_continues_the_order():
-    a = Ledger(num_prompts=7, max_epochs=3, seed=11)
-    keys = _drain(a, 9)  # epoch 0 whole, 2 of epoch 1
-    assert [k[0] for k in keys] == [0] * 7 + [1] * 2
-    for k in keys:
-        a.grant(k, "x", deadline=5.0)
-    for k in keys[:6]:
-        assert a.receive(k)
-    for k in keys[:4]:
-        a.trained(k)
-    a.requeue(keys[4], "stale")  # received -> pending, at the front of the queue
-    a.expire(now=10.0)  # keys 6, 7, 8 were granted: their lease is over, pending again (each to the front)
-    assert a.receive(keys[7])  # a late result: received, and still in the queue as a stale entry
-    assert a.next_pending() == keys[8]
-    a.grant(keys[8], "y", deadline=50.0)
-    # trained 0-3; pending 4 and 6 (and the rest of epoch 1); received 5 and 7; granted 8
-    state = json.loads(json.dumps(a.state_dict()))  # what learner.json holds
-    code = {0: "t", 1: "t", 2: "t", 3: "t", 4: "p", 5: "r", 6: "p", 7: "r", 8: "g"}
-    by_key = {k: code[i] for i, k in enumerate(keys)}
-    assert state["states"] == ["".join(by_key.get((e, p), "p") for p in range(7)) for e in (0, 1)]
-    assert state["queue"][:2] == [list(keys[6]), list(keys[4])] and len(state["queue"]) == 2 + 5  # no stale entry
-    b = Ledger.from_state(state, max_epochs=3)
-    b.check()
-    states = {k: e.state for k, e in b.entries.items()}
-    assert [states[k] for k in keys[:4]] == [State.TRAINED] * 4
-    assert all(s in (State.TRAINED, State.PENDING) for s in states.values())  # nothing is in flight after a restart
-    assert b.counts["requeued_resume"] == 3 and b.counts["requeued_stale"] == 1 and b.counts["requeued_lease"] == 3
-    # The prompts that were in flight come first; then exactly what the uninterrupted ledger hands out next,
-    # through the rest of epoch 1 and all of epoch 2 (its seeded shuffle).
-    rest_a = list(iter(a.next_pending, None))
-    rest_b = list(iter(b.next_pending, None))
-    assert rest_b == sorted([keys[5], keys[7], keys[8]]) + rest_a
-    assert len(rest_b) == 3 * 7 - 4 and {k[0] for k in rest_a} == {0, 1, 2}
-    assert not set(keys[:4]) & set(rest_b)  # trained prompts are never handed out again in their epoch
-
-
-def test_ledger_state_is_checked_on_load():
-    a = Ledger(num_prompts=3, max_epochs=2, seed=0)
-    k = a.next_pending()
-    a.grant(k, "x", 1.0)
-    state = a.state_dict()
-    assert state["epochs_opened"] == 1 and state["states"] == ["".join("g" if p == k[1] else "p" for p in range(3))]
-    with pytest.raises(AssertionError, match="one state string per opened epoch"):
-        Ledger.from_state({**state, "states": ["ppp", "ppp"]}, max_epochs=2)
-    with pytest.raises(AssertionError, match="pending"):  # a queued prompt that the states call trained
-        Ledger.from_state({**state, "states": ["ttt"]}, max_epochs=2)
 
 
 def test_restored_hub_admits_only_actors_serving_its_weights():
@@ -172,22 +121,6 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 2 and "--config FILE is required (or --resume RUN_DIR)" in proc.stderr
-
-
-def _row(step: int) -> str:
-    return json.dumps({"step": step, "policy_version": 2 * step, "reward_mean": 0.5})
-
-
-def test_metrics_cut_back_to_the_checkpoint(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("".join(_row(s) + "\n" for s in range(1, 7)) + '{"step": 7, "rew')  # torn last line
-    state = LearnerState(updates=4, version=8, steps_per_update=2, world=1, zero_stage=2, hub={}, row={"step": 4})
-    kept = restore_metrics(tmp_path, state)
-    assert [r["step"] for r in kept] == [1, 2, 3, 4]
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
-    # The crash came after checkpoint 5 was renamed, before row 5 was written: the checkpoint's copy fills it in.
-    (tmp_path / "metrics.jsonl").write_text("".join(_row(s) + "\n" for s in range(1, 5)))
-    state5 = LearnerState(updates=5, version=10, steps_per_update=2, world=1, zero_stage=2, hub={}, row=json.loads(_row(5)))
-    assert [r["step"] for r in restore_metrics(tmp_path, state5)] == [1, 2, 3, 4, 5]
 
 
 def test_interrupted_checkpoint_write_is_never_resumed_from(tmp_path):

@@ -1,12 +1,10 @@
 """The README and docs/ stay true to the repository: the config page is the code's own listing, the README
-stays short, no page names a commit of a past state or anything outside the repository, and every relative
-link reaches a file."""
+stays short, no page names anything outside the repository, and every relative link reaches a file. That no page
+names a commit (it asks git): tests/integration/test_docs_commits.py."""
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -50,31 +48,6 @@ def test_no_references_outside_the_repository(page):
     text = page.read_text()
     found = [m.group(0) for pattern in OUTSIDE for m in re.finditer(pattern, text, re.IGNORECASE)]
     assert not found, f"{page.relative_to(ROOT)} refers outside the repository: {sorted(set(found))}"
-
-
-def test_no_commit_hashes():
-    """A commit hash names a past state; the history it belongs with is git's. Only hex words that git
-    resolves to a commit count, so a hex-looking number is not a false alarm."""
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("not a git checkout")
-    words = {
-        (page.relative_to(ROOT).as_posix(), word) for page in pages() for word in re.findall(r"\b[0-9a-fA-F]{7,40}\b", page.read_text())
-    }
-    if not words:
-        return
-    ordered = sorted(words)
-    # One process for all of them: cat-file prints "missing" (or "ambiguous") for a word that is no commit.
-    out = subprocess.run(
-        ["git", "cat-file", "--batch-check=%(objecttype)"],
-        input="".join(f"{word}^{{commit}}\n" for _, word in ordered),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=True,
-    ).stdout.splitlines()
-    assert len(out) == len(ordered)
-    hashes = [f"{page}: {word}" for (page, word), kind in zip(ordered, out, strict=True) if kind == "commit"]
-    assert not hashes, f"commit hashes in the docs (history belongs in git): {hashes}"
 
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

@@ -1,6 +1,7 @@
-"""A fresh start (no --resume) in a run.dir that holds another run's outputs sets them aside (learner/resume.py):
-appended to, the old metrics.jsonl made a second `make demo` report "200 steps" for a run of 100, and a later
---resume could have taken the old run's checkpoint."""
+"""The run directory's files at a start (learner/resume.py). A fresh start (no --resume) in a run.dir that holds another
+run's outputs sets them aside: appended to, the old metrics.jsonl made a second `make demo` report "200 steps" for a
+run of 100, and a later --resume could have taken the old run's checkpoint. A resume cuts metrics.jsonl back to the
+checkpoint it resumes from."""
 
 import json
 
@@ -28,3 +29,19 @@ def test_a_fresh_start_sets_the_previous_run_aside(tmp_path):
         {"step": 1, "new": True}
     ]
     assert set_aside_previous_run(tmp_path / "empty", "x") is None
+
+
+def _row(step: int) -> str:
+    return json.dumps({"step": step, "policy_version": 2 * step, "reward_mean": 0.5})
+
+
+def test_metrics_cut_back_to_the_checkpoint(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(_row(s) + "\n" for s in range(1, 7)) + '{"step": 7, "rew')  # torn last line
+    state = LearnerState(updates=4, version=8, steps_per_update=2, world=1, zero_stage=2, hub={}, row={"step": 4})
+    kept = restore_metrics(tmp_path, state)
+    assert [r["step"] for r in kept] == [1, 2, 3, 4]
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    # The crash came after checkpoint 5 was renamed, before row 5 was written: the checkpoint's copy fills it in.
+    (tmp_path / "metrics.jsonl").write_text("".join(_row(s) + "\n" for s in range(1, 5)))
+    state5 = LearnerState(updates=5, version=10, steps_per_update=2, world=1, zero_stage=2, hub={}, row=json.loads(_row(5)))
+    assert [r["step"] for r in restore_metrics(tmp_path, state5)] == [1, 2, 3, 4, 5]

@@ -55,7 +55,7 @@ def status_reply(hub: HubState, now: float) -> m.StatusReply:
     return m.StatusReply(
         policy_version=hub.version,
         max_staleness=hub.max_staleness,
-        steps_per_update=hub.steps,
+        steps_per_update=hub.optimizer_steps,
         updates=times.updates,
         training=hub.training,
         uptime_s=now - hub.started,

@@ -64,8 +64,9 @@ class Hub:
         return self.state.updates.batch_max_staleness
 
     @property
-    def steps(self) -> int:
-        return self.state.steps
+    def optimizer_steps(self) -> int:
+        """S: optimizer steps (versions) per update."""
+        return self.state.optimizer_steps
 
     @property
     def actors(self) -> dict[str, ActorState]:
@@ -163,8 +164,8 @@ class Hub:
             return sorted(self.state.actors)
 
     def add_membership_listener(self, fn: Callable[[str, bool], None]) -> None:
-        """`fn(actor_id, joined)` runs on the hub thread, under the hub's lock, each time an actor registers
-        (joined, also again under the same id) or is removed (dead, disconnected, evicted): keep it short."""
+        """`fn(actor_id, joined)` each time an actor registers (joined, also again under the same id) or is removed
+        (dead, disconnected, evicted), under the hub's lock: the rule it keeps is learner/weights/fleet.py's."""
         with self.cond:
             self.state.listeners.append(fn)
 

@@ -72,8 +72,9 @@ class HubState:
         return self.updates.max_staleness
 
     @property
-    def steps(self) -> int:
-        return self.updates.steps
+    def optimizer_steps(self) -> int:
+        """S: optimizer steps (versions) per update."""
+        return self.updates.optimizer_steps
 
     @property
     def training(self) -> bool:

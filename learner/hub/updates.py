@@ -18,13 +18,13 @@ from protocol.logs import get_logger
 
 
 class Updates:
-    def __init__(self, max_staleness: int, steps: int):
-        """`steps`: optimizer steps (versions) per update (train.mini_batches x train.ppo_epochs)."""
+    def __init__(self, max_staleness: int, optimizer_steps: int):
+        """`optimizer_steps`: optimizer steps (versions) per update, S = train.mini_batches x train.ppo_epochs."""
         self.log = get_logger()
         self.version = 0
         self.training = False  # an update is being assembled or trained: its versions are not out yet
         self.max_staleness = max_staleness
-        self.steps = steps
+        self.optimizer_steps = optimizer_steps
         self.buffer: deque[Accepted] = deque()
         self.batch_max_staleness = max_staleness  # the k the current update's batch was checked with
         self.recent_staleness: deque[int] = deque(maxlen=RECENT_GROUPS)  # (u + S - 1) - v of taken groups
@@ -32,7 +32,7 @@ class Updates:
 
     def admissible(self, version_min: int) -> bool:
         """Whether a sample of `version_min` may still be trained on at the next update."""
-        return st.admissible(self.version, version_min, self.max_staleness, self.steps)
+        return st.admissible(self.version, version_min, self.max_staleness, self.optimizer_steps)
 
     def admit(self, item: Accepted) -> bool:
         """Buffer a received group; False if it is too stale already (versions only grow: it can never be used)."""
@@ -43,7 +43,7 @@ class Updates:
 
     def capacity(self, prompts_per_step: int, outstanding: int) -> int:
         """Prompts admission control lets the dispatcher grant now, with `outstanding` held by actors or buffered."""
-        return st.admission_capacity(self.version, self.training, self.max_staleness, prompts_per_step, outstanding, self.steps)
+        return st.admission_capacity(self.version, self.training, self.max_staleness, prompts_per_step, outstanding, self.optimizer_steps)
 
     def take(self, n: int) -> tuple[list[Accepted] | None, list[Accepted]]:
         """Drop buffered groups too stale for the next update; take the `n` oldest if there are that many.
@@ -67,7 +67,7 @@ class Updates:
         # take's k, so the update's bound is the largest k of its takes.
         k = self.max_staleness
         self.batch_max_staleness = max(self.batch_max_staleness, k) if self.training else k
-        self.recent_staleness.extend(self.version + self.steps - 1 - i.group.version_min for i in batch)
+        self.recent_staleness.extend(self.version + self.optimizer_steps - 1 - i.group.version_min for i in batch)
         self.training = True
         return batch, dropped
 
@@ -86,8 +86,10 @@ class Updates:
     def set_max_staleness(self, k: int, source: str) -> int:
         """Takes effect for admission at once and for every batch taken after it (learner/hub/control.py); returns
         the old k. Raises ValueError for a k even fresh samples would break."""
-        if k < self.steps - 1:
-            raise ValueError(f"max_staleness: {k} < {self.steps} optimizer steps per update - 1; even fresh samples would break it")
+        if k < self.optimizer_steps - 1:
+            raise ValueError(
+                f"max_staleness: {k} < {self.optimizer_steps} optimizer steps per update - 1; even fresh samples would break it"
+            )
         old, self.max_staleness = self.max_staleness, k
         self.log.info("hub.max_staleness_changed", old=old, new=k, version=self.version, source=source)
         return old
@@ -106,8 +108,8 @@ class Updates:
 
     def restore(self, version: int, k: int) -> None:
         """Continue from a checkpoint taken at `version` under the bound `k`. Raises ValueError before changing anything."""
-        if k < self.steps - 1:
-            raise ValueError(f"max_staleness: the checkpoint's {k} < {self.steps} optimizer steps per update - 1")
+        if k < self.optimizer_steps - 1:
+            raise ValueError(f"max_staleness: the checkpoint's {k} < {self.optimizer_steps} optimizer steps per update - 1")
         if k != self.max_staleness:
             self.log.info("hub.max_staleness_restored", config=self.max_staleness, checkpoint=k)
         self.version, self.max_staleness, self.batch_max_staleness = version, k, k

@@ -99,7 +99,7 @@ def rollout_group(n=3, prompt_len=4, version=0, seed=0, actor="a0", prompt_id=7,
 
 def sample_messages() -> list:
     """One well-formed message of each type an actor and the hub exchange, with values off their defaults: the
-    codec's round trips (tests/unit/test_codec.py) and the decoder's fuzzing (tests/integration/test_fuzz.py)."""
+    codec's round trips (tests/unit/test_codec.py) and the decoder's fuzzing (tests/unit/test_decoder_fuzz.py)."""
     from protocol import messages as m
 
     prompt = np.arange(1, 5, dtype=np.int32)
@@ -163,6 +163,15 @@ def tiny_model_dir(tmp_path_factory):
 
     os.environ.setdefault("FLEETRL_CACHE", str(ROOT / ".cache"))
     return demo_model(load_config())
+
+
+@pytest.fixture(scope="session")
+def plain_model_dir(tmp_path_factory):
+    """A randomly initialised tiny model folder (weights and tokenizer), in seconds: for tests that need a model
+    folder but not the demo's warm-started policy (tiny_model_dir, which trains one the first time)."""
+    from deploy.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("plain-model"))
 
 
 @pytest.fixture

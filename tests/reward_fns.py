@@ -1,4 +1,5 @@
-"""Reward functions for tests/integration/test_rewards.py's pool tests, imported by the reward worker processes."""
+"""Reward functions for the reward tests (tests/unit/test_reward_functions.py, and tests/integration/test_rewards.py's pool, whose
+worker processes import them)."""
 
 import os
 import time

@@ -84,7 +84,7 @@ def engine_env(cfg: Config, on_cuda: bool) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.actor.kvcache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.actor.cpu_bind)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.actor.threads))
-    # Not a default the environment may override: actor.worker_in_engine decides (protocol/config.py).
+    # Not a default the environment may override: actor.worker_in_engine decides (protocol/config/actor.py).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.actor.worker_in_engine else "1"
     os.environ["FLEETRL_CPU_GEMM"] = cfg.actor.cpu_gemm  # read by actors/worker_ext.py in the worker
 

@@ -1,6 +1,6 @@
 """Evaluation rounds, driven from the training thread: when one is due, run it through the hub, log its metrics.
 
-The round itself, its grants and results, is hub state: learner/hub/evaluation.py.
+The round itself, its grants and results, is hub state: learner/hub/core/evaluation.py.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from learner.data.prompts import PromptSet
-from learner.hub.evaluation import EvalRound, Sampling
+from learner.hub.core.evaluation import EvalRound, Sampling
 from learner.hub.server import Hub
 from protocol.config import Config
 from protocol.logs import get_logger

@@ -5,7 +5,7 @@
     every rank:  update (S optimizer steps, DeepSpeed)  ->  weight snapshot (collective under ZeRO-3)
     rank 0:  the hub's version += steps applied (S unless DeepSpeed skipped some) -> ledger: trained, or requeued
              if a step failed; grants resume -> broadcast weights to the actors    learner/root.py from here on
-             -> every eval.every_steps updates: the actors evaluate this version (learner/hub/evaluation.py)
+             -> every eval.every_steps updates: the actors evaluate this version (learner/hub/core/evaluation.py)
              -> every checkpoint.every_steps updates: Hugging Face checkpoint (learner/checkpoint.py)
                 plus the training state; every rank saves its DeepSpeed shard (learner/resume.py)
              -> metrics
@@ -41,7 +41,7 @@ from learner.resume import (
     save_engines,
     set_aside_previous_run,
 )
-from learner.root import run_root
+from learner.root import Root
 from learner.train.distributed import Topology, init_distributed, make_topology
 from learner.train.engines import UpdateLayout
 from learner.train.shard import scatter_shares
@@ -106,7 +106,7 @@ def _run_rank(cfg: Config, resume: bool) -> int:
     (run_dir / "config.toml").write_text(dump_toml(cfg))
     log.info("learner.plan", text="\n" + render(plan))
     weights = WeightSource(cfg, trainer.engine, topo)
-    return run_root(cfg, topo, trainer, weights, tokenizer, data, plan.length.updates, run_dir, log, checkpoint)
+    return Root(cfg, topo, trainer, weights, tokenizer, data, plan.length.updates, run_dir, log, checkpoint).run()
 
 
 def _run_follower(cfg: Config, topo: Topology, trainer: Trainer, log) -> int:

@@ -28,8 +28,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from learner.hub.ledger import Key
-from learner.hub.records import Accepted
+from learner.hub.core.ledger import Key
+from learner.hub.core.records import Accepted
 from learner.train.advantages import informative_groups
 from learner.train.batch import InvalidBatch
 from learner.train.distributed import Topology

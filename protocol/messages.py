@@ -358,7 +358,7 @@ class StatusReply(Message):
     staleness_window: int  # the histogram covers at most this many recent groups
     actor_ids: list[str]
     actor_served_version: np.ndarray  # int32 [actors]: the version each engine serves
-    actor_samples_per_s: np.ndarray  # float32 [actors]: accepted samples per second over the last 30 s (learner.hub.control)
+    actor_samples_per_s: np.ndarray  # float32 [actors]: accepted samples per second over the last 30 s (learner.hub.core.control)
     actor_groups: np.ndarray  # int32 [actors]: groups accepted from it since it registered
     actor_leases: np.ndarray  # int32 [actors]: prompts it holds now
     actor_heartbeat_age_s: np.ndarray  # float32 [actors]: seconds since the hub last heard from it

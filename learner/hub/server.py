@@ -1,4 +1,4 @@
-"""The hub on learner rank 0: the state machine (learner/hub/state.py) behind a ROUTER socket, on its own thread
+"""The hub on learner rank 0: the state machine (learner/hub/core/state.py) behind a ROUTER socket, on its own thread
 (learner/hub/thread.py); `Hub` is the learner's handle on both.
 
     actors --Register/Heartbeat/WorkRequest/RolloutGroup/EvalResult/WeightVersion--> [ROUTER + CURVE gate]
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from learner.data.prompts import PromptSet
-from learner.hub.evaluation import EvalRound
-from learner.hub.ledger import Key, Ledger
-from learner.hub.records import Accepted, ActorState, Out
-from learner.hub.state import HubState
+from learner.hub.core.evaluation import EvalRound
+from learner.hub.core.ledger import Key, Ledger
+from learner.hub.core.records import Accepted, ActorState, Out
+from learner.hub.core.state import HubState
 from learner.hub.thread import HubThread
 from protocol import messages as m
 from protocol.config import Config

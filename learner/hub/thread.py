@@ -20,10 +20,10 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from learner.hub import control
+from learner.hub.core import control
+from learner.hub.core.records import MAX_DETAIL, Out
+from learner.hub.core.state import HubState
 from learner.hub.gatekeeper import Gatekeeper
-from learner.hub.records import MAX_DETAIL, Out
-from learner.hub.state import HubState
 from protocol import auth, transport
 from protocol import messages as m
 from protocol.config import Config, ConfigError
@@ -180,7 +180,7 @@ class HubThread:
             return
         now = time.monotonic()
         with self.cond:
-            # Operations (learner/hub/control.py): one request, one reply; the client is not an actor.
+            # Operations (learner/hub/core/control.py): one request, one reply; the client is not an actor.
             if isinstance(msg, m.ControlRequest):
                 outs = [
                     Out(identity, control.apply(self.state, msg.key, msg.value, source="fleetrl ctl"), reply=False),

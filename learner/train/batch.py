@@ -21,7 +21,7 @@ class InvalidBatch(ValueError):
 
 
 def check_batch(groups: list[RolloutGroup], vocab_size: int | None) -> None:
-    """The learner's own guard, behind the hub's admission checks (learner/hub/checks.py): an id outside the
+    """The learner's own guard, behind the hub's admission checks (learner/hub/core/checks.py): an id outside the
     embedding crashes the forward (on a GPU, a device-side assert that poisons the CUDA context), and a
     non-finite logprob or reward turns the whole update into NaN. Raises InvalidBatch naming the group."""
     for g in groups:

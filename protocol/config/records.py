@@ -26,7 +26,7 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class LogConfig:
-    """What the learner records beside metrics.jsonl: sample completions, and Weights & Biases (learner/metrics.py)."""
+    """What the learner records beside metrics.jsonl: sample completions, and Weights & Biases (learner/record/metrics.py)."""
 
     # write sample prompts, completions and rewards to RUN_DIR/samples.jsonl every N updates (rollout batches; 0 = never)
     samples_every_steps: int = 10

@@ -7,7 +7,7 @@ import zmq
 from deploy.tiny import build_tokenizer
 from learner.data.prompts import PromptSet
 from learner.data.rows import Row
-from learner.hub.evaluation import EvalRound, Sampling
+from learner.hub.core.evaluation import EvalRound, Sampling
 from learner.hub.server import Hub
 from protocol import messages as m
 from protocol.codec import decode, encode

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from bench.fleet import Fleet
-from learner.hub.ledger import State
+from learner.hub.core.ledger import State
 from protocol import messages as m
 from protocol import weights as wg
 from protocol.abortable import joined_key

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from deploy.tiny import build_tokenizer
 from learner.data.prompts import PromptSet, load_datasets
 from learner.evaluator import Evaluator
-from learner.hub.evaluation import EvalRound, Sampling
+from learner.hub.core.evaluation import EvalRound, Sampling
 from learner.hub.server import Hub
 from protocol import messages as m
 from protocol.codec import decode, encode

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import torchrun_driver
 
-from learner.hub.ledger import Ledger, State
+from learner.hub.core.ledger import Ledger, State
 from learner.resume import latest_checkpoint
 from protocol.net import free_port
 

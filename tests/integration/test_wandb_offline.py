@@ -16,8 +16,8 @@ wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install
 
 
 def test_offline_run_holds_the_logged_rows(tmp_path, monkeypatch):
-    from learner.metrics import MetricsWriter
-    from learner.wandb_log import WandbLogger
+    from learner.record.metrics import MetricsWriter
+    from learner.record.wandb_log import WandbLogger
 
     monkeypatch.setenv("WANDB_API_KEY", "")  # offline needs none; a developer's own key must not matter
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))  # the config's run directory wins

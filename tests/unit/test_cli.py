@@ -63,7 +63,7 @@ def test_config_list_documents_every_field(tmp_path, capsys):
     assert "lr = 0.0005  # AdamW peak learning rate" in text.splitlines()
     assert render("log.wandb").splitlines() == [
         "[log]",
-        "# What the learner records beside metrics.jsonl: sample completions, and Weights & Biases (learner/metrics.py).",
+        "# What the learner records beside metrics.jsonl: sample completions, and Weights & Biases (learner/record/metrics.py).",
         "wandb = false  # also send each metrics row to Weights & Biases (needs `pip install 'fleetrl[wandb]'`)",
         'wandb_project = "fleetrl"  # W&B project',
         'wandb_run_name = ""  # W&B run name ("" = the run directory\'s name)',

@@ -1,5 +1,5 @@
-"""Every rollout group is checked against the model and the grant before the hub admits it (learner/hub/checks.py),
-an actor that keeps failing the checks is quarantined (learner/hub/quarantine.py), and the learner refuses what
+"""Every rollout group is checked against the model and the grant before the hub admits it (learner/hub/core/checks.py),
+an actor that keeps failing the checks is quarantined (learner/hub/core/quarantine.py), and the learner refuses what
 still gets through (learner/train/batch.py: check_batch). One test per way an admitted actor crashed or
 corrupted a learner before these checks; HubState is driven with an explicit clock, no socket.
 """
@@ -12,8 +12,8 @@ from conftest import rollout_group
 
 from deploy.tiny import build_tokenizer
 from learner.data.prompts import PromptSet, addition_items
-from learner.hub.ledger import State
-from learner.hub.state import HubState
+from learner.hub.core.ledger import State
+from learner.hub.core.state import HubState
 from learner.train.batch import InvalidBatch, check_batch
 from learner.train.shard import make_shares
 from learner.update import settle

@@ -9,8 +9,8 @@ from conftest import rollout_group
 
 from deploy.tiny import build_tokenizer
 from learner.data.prompts import PromptSet, addition_items
-from learner.hub.evaluation import EvalRound, Sampling
-from learner.hub.state import HubState
+from learner.hub.core.evaluation import EvalRound, Sampling
+from learner.hub.core.state import HubState
 from protocol import messages as m
 from protocol.config import load_config
 

@@ -8,8 +8,8 @@ from conftest import rollout_group
 
 from deploy.tiny import build_tokenizer
 from learner.data.prompts import PromptSet, addition_items
-from learner.hub.ledger import State
-from learner.hub.records import Accepted
+from learner.hub.core.ledger import State
+from learner.hub.core.records import Accepted
 from learner.hub.server import Hub
 from learner.update import MAX_FILTERED_BATCHES, take_batch
 from protocol.config import load_config

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from learner.hub.ledger import Ledger, State
+from learner.hub.core.ledger import Ledger, State
 
 
 def test_lifecycle_and_counts():

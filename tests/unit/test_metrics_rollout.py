@@ -8,9 +8,9 @@ import pytest
 import structlog
 
 from deploy.tiny import build_tokenizer
-from learner.metrics import MetricsWriter, _series
-from learner.rollout_stats import MAX_RUN_PART_NAMES, rollout_metrics
-from learner.samples import SampleWriter
+from learner.record.metrics import MetricsWriter, _series
+from learner.record.rollout_stats import MAX_RUN_PART_NAMES, rollout_metrics
+from learner.record.samples import SampleWriter
 from protocol.logs import format_duration, setup_logging
 from protocol.messages import RolloutGroup
 from protocol.progress import Eta

@@ -5,7 +5,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from learner.metrics import MetricsWriter
+from learner.record.metrics import MetricsWriter
 
 
 def test_rows_become_tensorboard_scalars(tmp_path):

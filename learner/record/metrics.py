@@ -2,7 +2,7 @@
 and the reward-curve plot. Every row goes through MetricsWriter.write, to every sink at once.
 
 Only learner rank 0 writes. Keys are flat; namespaced ones use `group/name`.
-TensorBoard (RUN_DIR/tensorboard) and W&B (learner/wandb_log.py): every finite numeric value of a row becomes
+TensorBoard (RUN_DIR/tensorboard) and W&B (learner/record/wandb_log.py): every finite numeric value of a row becomes
 a scalar at step = row["step"]; strings, None and NaN are left out (NaN would break their charts).
 """
 
@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from learner.wandb_log import WandbLogger
+from learner.record.wandb_log import WandbLogger
 
 
 class MetricsWriter:
@@ -24,7 +24,7 @@ class MetricsWriter:
         self.file = self.path.open("a", buffering=1)
         self.rows: list[dict] = []
         self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), flush_secs=10)
-        self.wandb = wandb  # learner/wandb_log.py, when log.wandb = true
+        self.wandb = wandb  # learner/record/wandb_log.py, when log.wandb = true
 
     def write(self, row: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

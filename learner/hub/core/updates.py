@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 
 from learner import staleness as st
-from learner.hub.records import RECENT_GROUPS, Accepted, UpdateTimes
+from learner.hub.core.records import RECENT_GROUPS, Accepted, UpdateTimes
 from protocol.logs import get_logger
 
 
@@ -84,7 +84,7 @@ class Updates:
         self.training = False
 
     def set_max_staleness(self, k: int, source: str) -> int:
-        """Takes effect for admission at once and for every batch taken after it (learner/hub/control.py); returns
+        """Takes effect for admission at once and for every batch taken after it (learner/hub/core/control.py); returns
         the old k. Raises ValueError for a k even fresh samples would break."""
         if k < self.optimizer_steps - 1:
             raise ValueError(

@@ -2,11 +2,11 @@
 too stale, or admitted to the buffer.
 
     (actor, group, ledger) --receive()--> verdict(): the hub's own checks from its state (`ahead`, `grant`,
-                                          `size`), then learner/hub/checks.py's on the group's contents
+                                          `size`), then learner/hub/core/checks.py's on the group's contents
                                             |
                            refused: counted, its prompt back to the queue, the actor told which check failed;
-                                    a strike when it is the actor's fault (learner/hub/quarantine.py)
-                           admitted: the ledger's receipt, then the buffer (learner/hub/updates.py) or, too
+                                    a strike when it is the actor's fault (learner/hub/core/quarantine.py)
+                           admitted: the ledger's receipt, then the buffer (learner/hub/core/updates.py) or, too
                                      stale already, back to the queue
 
 An actor whose refused groups reach quarantine.after strikes is quarantined and released (HubState.release).
@@ -18,11 +18,11 @@ from collections import Counter
 from collections.abc import Callable
 
 from learner.data.prompts import PromptSet
-from learner.hub.checks import GroupLimits, Refusal, check_group
-from learner.hub.ledger import Key, Ledger, State
-from learner.hub.quarantine import Quarantine
-from learner.hub.records import MAX_DETAIL, Accepted, ActorState, Out, error_reply
-from learner.hub.updates import Updates
+from learner.hub.core.checks import GroupLimits, Refusal, check_group
+from learner.hub.core.ledger import Key, Ledger, State
+from learner.hub.core.quarantine import Quarantine
+from learner.hub.core.records import MAX_DETAIL, Accepted, ActorState, Out, error_reply
+from learner.hub.core.updates import Updates
 from protocol import messages as m
 from protocol.config import Config
 from protocol.logs import get_logger

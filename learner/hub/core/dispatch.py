@@ -11,9 +11,9 @@ still in flight never make the hub grant more than the actor can hold.
 from __future__ import annotations
 
 from learner.data.prompts import PromptSet
-from learner.hub.evaluation import EvalRound
-from learner.hub.ledger import Ledger
-from learner.hub.records import ActorState, Out
+from learner.hub.core.evaluation import EvalRound
+from learner.hub.core.ledger import Ledger
+from learner.hub.core.records import ActorState, Out
 from protocol import messages as m
 
 

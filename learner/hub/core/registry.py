@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from learner.hub.ledger import Key
-from learner.hub.quarantine import Quarantine
-from learner.hub.records import ActorState, Out, error_reply
-from learner.hub.updates import Updates
+from learner.hub.core.ledger import Key
+from learner.hub.core.quarantine import Quarantine
+from learner.hub.core.records import ActorState, Out, error_reply
+from learner.hub.core.updates import Updates
 from protocol import messages as m
 from protocol.config import Config
 from protocol.logs import get_logger

@@ -6,9 +6,9 @@
     training thread          --take() / finish_update() / abort_update() / updates.set_max_staleness() / start_eval()
 
 HubState routes each message to its part and holds what the parts share (the ledger, the counters, the
-quarantine, the eval round). The parts, a module each: the actor registry (learner/hub/registry.py), rollout
-groups admitted or refused (learner/hub/groups.py), grants (learner/hub/dispatch.py), and the policy version,
-the staleness bound and the batch buffer (learner/hub/updates.py).
+quarantine, the eval round). The parts, a module each: the actor registry (learner/hub/core/registry.py), rollout
+groups admitted or refused (learner/hub/core/groups.py), grants (learner/hub/core/dispatch.py), and the policy version,
+the staleness bound and the batch buffer (learner/hub/core/updates.py).
 
 No socket, no event loop, no clock and no lock of its own: the caller passes the time and holds
 the lock (learner/hub/server.py runs it behind the ROUTER socket, on its own thread), so every rule
@@ -23,15 +23,15 @@ from typing import Any
 
 from learner import staleness as st
 from learner.data.prompts import PromptSet
-from learner.hub import dispatch
-from learner.hub.checks import GroupLimits
-from learner.hub.evaluation import EvalRound
-from learner.hub.groups import Groups
-from learner.hub.ledger import Key, Ledger
-from learner.hub.quarantine import Quarantine
-from learner.hub.records import Accepted, ActorState, Out, error_reply
-from learner.hub.registry import Registry
-from learner.hub.updates import Updates
+from learner.hub.core import dispatch
+from learner.hub.core.checks import GroupLimits
+from learner.hub.core.evaluation import EvalRound
+from learner.hub.core.groups import Groups
+from learner.hub.core.ledger import Key, Ledger
+from learner.hub.core.quarantine import Quarantine
+from learner.hub.core.records import Accepted, ActorState, Out, error_reply
+from learner.hub.core.registry import Registry
+from learner.hub.core.updates import Updates
 from protocol import messages as m
 from protocol.config import Config
 from protocol.logs import get_logger
@@ -148,7 +148,7 @@ class HubState:
         m.WeightVersion: _weight_version,
     }
 
-    # ---- dispatch (learner/hub/dispatch.py) ----------------------------------------------------------
+    # ---- dispatch (learner/hub/core/dispatch.py) ----------------------------------------------------------
     def outstanding(self) -> int:
         return sum(len(a.held) for a in self.actors.values()) + len(self.buffer)
 
@@ -169,7 +169,7 @@ class HubState:
             self.log.debug("hub.granted", grants=granted)
         return [*sends, *grants]
 
-    # ---- membership (learner/hub/registry.py) --------------------------------------------------------
+    # ---- membership (learner/hub/core/registry.py) --------------------------------------------------------
     def _give_back(self, actor_id: str, state: ActorState, requeue: str) -> list[Key]:
         """A removed actor's eval prompts and grants go back (`requeue`: the ledger's reason); the keys requeued."""
         if self.eval_round is not None:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from learner.hub.records import RATE_WINDOW_S, RECENT_GROUPS
-from learner.hub.state import HubState
+from learner.hub.core.records import RATE_WINDOW_S, RECENT_GROUPS
+from learner.hub.core.state import HubState
 from protocol import messages as m
 from protocol.logs import get_logger
 

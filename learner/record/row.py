@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from learner.rollout_stats import rollout_metrics
+from learner.record.rollout_stats import rollout_metrics
 from learner.train.trainer import UpdateStats
 from learner.update import Update
 
@@ -40,7 +40,7 @@ class Totals:
 
 
 def update_row(step: int, update: Update, totals: Totals, *, step_s: float, wall_s: float, part_names: set[str], critic: bool) -> dict:
-    """The row of update `step`. `part_names`: the reward part names reported so far (learner/rollout_stats.py adds
+    """The row of update `step`. `part_names`: the reward part names reported so far (learner/record/rollout_stats.py adds
     this batch's, within its bound); `critic`: whether the run trains one (its skipped steps are then reported)."""
     stats, groups = update.stats, update.groups
     stale = [update.start - g.version_min for g in groups]

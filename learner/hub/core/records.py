@@ -1,12 +1,12 @@
 """What the hub keeps per actor and per admitted group, what it sends, and its constants: plain records, no rules
-(the rules are in learner/hub/state.py and its parts: registry.py, groups.py, dispatch.py, updates.py)."""
+(the rules are in learner/hub/core/state.py and its parts: registry.py, groups.py, dispatch.py, updates.py)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from learner.hub.ledger import Key
+from learner.hub.core.ledger import Key
 from protocol import messages as m
 
 MAX_DETAIL = 300  # characters of an error reply: a decode error may quote the peer's input, which may be huge

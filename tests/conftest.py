@@ -165,6 +165,16 @@ def tiny_model_dir(tmp_path_factory):
     return demo_model(load_config())
 
 
+@pytest.fixture
+def keep_logging():
+    """The CLI's commands set up structlog process-wide (`check` at warning level): later tests get it back as it was."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
 @pytest.fixture(scope="session")
 def plain_model_dir(tmp_path_factory):
     """A randomly initialised tiny model folder (weights and tokenizer), in seconds: for tests that need a model

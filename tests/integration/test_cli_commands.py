@@ -2,7 +2,6 @@
 tests/unit/test_cli.py."""
 
 import pytest
-import structlog
 
 from deploy.cli import main
 from tests.conftest import ROOT
@@ -10,12 +9,7 @@ from tests.conftest import ROOT
 DEMO = str(ROOT / "configs" / "demo.toml")
 
 
-@pytest.fixture(autouse=True)
-def _keep_logging():
-    """The commands set up structlog process-wide (`check` at warning level): later tests get it back as it was."""
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("keep_logging")  # the commands set up structlog process-wide
 
 
 def test_check_loads_model_data_and_reward(tmp_path, tiny_model_dir, capsys):

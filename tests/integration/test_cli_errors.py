@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import structlog
 
 from deploy.cli import main
 from protocol.net import free_port
@@ -18,12 +17,7 @@ from tests.unit.test_cli import one_line, tracebacks
 DEMO = str(ROOT / "configs" / "demo.toml")
 
 
-@pytest.fixture(autouse=True)
-def _keep_logging():
-    """The commands set up structlog process-wide (`check` at warning level): later tests get it back as it was."""
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("keep_logging")  # the commands set up structlog process-wide
 
 
 def test_bad_addresses(tmp_path, capsys):

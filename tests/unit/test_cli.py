@@ -9,7 +9,6 @@ import re
 import tomllib
 
 import pytest
-import structlog
 
 from deploy.cli import main
 from deploy.config_list import field_docs, render, sections
@@ -20,12 +19,7 @@ from tests.conftest import ROOT
 DEMO = str(ROOT / "configs" / "demo.toml")
 
 
-@pytest.fixture(autouse=True)
-def _keep_logging():
-    """The commands set up structlog process-wide (`check` at warning level): later tests get it back as it was."""
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("keep_logging")  # the commands set up structlog process-wide
 
 
 def one_line(text: str) -> str:

@@ -15,10 +15,12 @@ Built in (`actors.rewards:NAME`):
 - `exact_match`: the demo task; the completion, stripped, equals the answer.
 - `math_answer`: math-verify finds the answer's value anywhere in the completion.
 - `math_verify`: the completion's last \\boxed{...} has the answer's value (math-verify).
+- `simplerl_math`: SimpleRL-Zoo's grader: the last \\boxed{...}, else "the answer is ...", else "final answer is
+  ...", else the last number (Qwen2.5-Math's answer extraction), with the answer's value (math-verify).
 - `orz`: Open-Reasoner-Zero's rule: right answer in `<answer>...\\boxed{}...</answer>` and the response stopped.
-- `by_dataset`: open-instruct's verifier for the row's metadata["dataset"] (gsm8k, math), 0..1.
+- `by_dataset`: open-instruct's verifier for the row's metadata["dataset"] (gsm8k, math, ifeval), 0..1.
 - `open_instruct`: 10 x by_dataset, -10 for a response that did not stop (Tulu 3 RLVR); `OpenInstructReward`
-  builds other scales and penalties.
+  builds other scales, penalties and verifier tables (`ifeval_as_run`: the Tulu 3 run's two IFEval bugs).
 """
 
 from actors.rewards.base import (
@@ -33,7 +35,9 @@ from actors.rewards.base import (
     score_one,
 )
 from actors.rewards.builtin import exact_match, math_answer, math_verify, orz
-from actors.rewards.verifiers import OpenInstructReward, by_dataset, open_instruct
+from actors.rewards.ifeval import ifeval, ifeval_as_run
+from actors.rewards.simplerl import simplerl_answer, simplerl_math
+from actors.rewards.verifiers import VERIFIERS, OpenInstructReward, by_dataset, open_instruct
 
 __all__ = [
     "GroupScores",
@@ -41,9 +45,12 @@ __all__ = [
     "Outcome",
     "Reward",
     "RewardContext",
+    "VERIFIERS",
     "assemble",
     "by_dataset",
     "exact_match",
+    "ifeval",
+    "ifeval_as_run",
     "load_reward",
     "load_reward_fn",
     "math_answer",
@@ -52,4 +59,6 @@ __all__ = [
     "orz",
     "parse_metadata",
     "score_one",
+    "simplerl_answer",
+    "simplerl_math",
 ]

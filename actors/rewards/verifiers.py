@@ -7,23 +7,26 @@ ppo_vllm_thread_ray_gtrl.py; docs/tulu3.md's Tulu-3-8B RLVR command):
   `verification_reward` (10 by default, and in the Tulu 3 runs);
 - with `--non_stop_penalty`, a response that did not end with the stop token gets `penalty_reward_value`
   (-10.0 in the Tulu-3-8B command; grpo_fast.py calls it `non_stop_penalty_value`, default 0) instead of its
-  score. FleetRL reads "did not stop" from the finish reason ("length").
+  score. FleetRL reads "did not stop" from the finish reason ("length"): the actor passes vLLM's finish reason
+  to every reward in RewardContext.finish_reason.
 
-Verifiers here: `gsm8k` (the last number in the response equals the answer) and `math` (a boxed answer, the
-Minerva "The final answer is ..." line, the last $...$, or the whole response, equal in value to the answer).
-open-instruct's `ifeval` (and its code, judge and string verifiers) are not here: a row naming one is an
-error that names it (scored 0 and counted), not a silent 0. Departures: values are compared with math-verify
-where open-instruct uses the Hendrycks/Minerva normalisations and sympy; the GSM8K number may be negative
-(open-instruct's pattern drops the sign of an integer).
+Verifiers here: `gsm8k` (the last number in the response equals the answer), `math` (a boxed answer, the
+Minerva "The final answer is ..." line, the last $...$, or the whole response, equal in value to the answer) and
+`ifeval` (the row's ground truth names one of open-instruct's 25 instruction checks: actors/rewards/ifeval.py,
+with the two bugs of the Tulu 3 run fixed; `ifeval_as_run` keeps them). open-instruct's code, judge and string
+verifiers are not here: a row naming one is an error that names it (scored 0 and counted), not a silent 0.
+Departures: values are compared with math-verify where open-instruct uses the Hendrycks/Minerva normalisations
+and sympy; the GSM8K number may be negative (open-instruct's pattern drops the sign of an integer).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from actors.rewards.base import RewardContext
 from actors.rewards.builtin import equivalent, last_boxed
+from actors.rewards.ifeval import ifeval
 
 
 def gsm8k(response: str, answer: str) -> float:
@@ -50,35 +53,43 @@ def _minerva(response: str) -> str | None:
     return found[-1].strip().rstrip(".") if found else None
 
 
-VERIFIERS: dict[str, Callable[[str, str], float]] = {"gsm8k": gsm8k, "math": math}
+Verifier = Callable[[str, str], float]  # (response, the row's answer) -> 0..1
+VERIFIERS: dict[str, Verifier] = {"gsm8k": gsm8k, "math": math, "ifeval": ifeval}
 
 
-def by_dataset(ctx: RewardContext) -> float:
+def by_dataset(ctx: RewardContext, verifiers: Mapping[str, Verifier] = VERIFIERS) -> float:
     """The verifier named by metadata["dataset"] (lowercased), 0..1; ValueError naming an unknown or missing one."""
     name = ctx.metadata.get("dataset")
     if isinstance(name, list) and len(name) == 1:  # open-instruct rows may carry it as a one-element list
         name = name[0]
     if not isinstance(name, str):
-        raise ValueError(f"metadata['dataset'] is {name!r}: the row must name its verifier ({', '.join(VERIFIERS)})")
-    verifier = VERIFIERS.get(name.lower())
+        raise ValueError(f"metadata['dataset'] is {name!r}: the row must name its verifier ({', '.join(verifiers)})")
+    verifier = verifiers.get(name.lower())
     if verifier is None:
-        raise ValueError(f"no verifier for dataset {name!r} (known: {', '.join(VERIFIERS)})")
+        raise ValueError(f"no verifier for dataset {name!r} (known: {', '.join(verifiers)})")
     return verifier(ctx.completion, ctx.answer)
 
 
 class OpenInstructReward:
     """verification_reward x the row's verifier, or non_stop_penalty_value when the response did not stop.
 
-    Parts: `verified` (the verifier's 0..1, whether or not the response stopped). Another scale or penalty is
-    one line in your own module: `my_reward = OpenInstructReward(non_stop_penalty_value=0.0)`.
+    Parts: `verified` (the verifier's 0..1, whether or not the response stopped). Another scale, penalty or
+    verifier table is one line in your own module: `my_reward = OpenInstructReward(non_stop_penalty_value=0.0)`;
+    the Tulu 3 run's IFEval bugs: `OpenInstructReward(verifiers=VERIFIERS | {"ifeval": ifeval_as_run})`.
     """
 
-    def __init__(self, verification_reward: float = 10.0, non_stop_penalty_value: float | None = -10.0):
+    def __init__(
+        self,
+        verification_reward: float = 10.0,
+        non_stop_penalty_value: float | None = -10.0,
+        verifiers: Mapping[str, Verifier] = VERIFIERS,
+    ):
         self.verification_reward = verification_reward
         self.non_stop_penalty_value = non_stop_penalty_value  # None: no penalty (open-instruct without --non_stop_penalty)
+        self.verifiers = verifiers  # dataset name (lowercase) -> verifier
 
     def __call__(self, ctx: RewardContext) -> tuple[float, dict[str, float]]:
-        verified = by_dataset(ctx)
+        verified = by_dataset(ctx, self.verifiers)
         score = self.verification_reward * verified
         if self.non_stop_penalty_value is not None and ctx.finish_reason != "stop":
             score = self.non_stop_penalty_value

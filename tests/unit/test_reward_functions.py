@@ -20,6 +20,8 @@ from actors.rewards import (
     orz,
     parse_metadata,
     score_one,
+    simplerl_answer,
+    simplerl_math,
 )
 from actors.rewards.builtin import last_boxed
 from actors.rewards.verifiers import OpenInstructReward, gsm8k, math
@@ -125,6 +127,47 @@ def test_orz_reward():
     assert orz(ctx("<answer>\\boxed{Monday}</answer>", answer="monday"))[0] == 1.0  # case-insensitive strings
 
 
+def test_simplerl_extraction_falls_back_without_a_box():
+    """SimpleRL-Zoo (hf_math_verify.py -> Qwen2.5-Math's extract_answer(text, "math")): the Minerva line, else the last
+    `boxed`, else after the last "he answer is", else after the last "final answer is", else the last number; then a
+    newline, one leading ":" and trailing "." / "/" are dropped."""
+    assert simplerl_answer("So the answer is 5.") == "5"
+    assert simplerl_answer("The answer is: 7.") == "7"
+    assert simplerl_answer("The answer is 3. Checking again, the answer is 4.") == "4"  # the last occurrence
+    assert simplerl_answer("Thus our final answer is 12") == "12"
+    assert simplerl_answer("we get 3 apples, then 1,042 pears") == "1042"  # the last number, commas removed
+    assert simplerl_answer("x = -2.5 or so") == "-2.5"
+    assert simplerl_answer("Final Answer: The final answer is $6$. I hope it is correct.") == "6"
+    assert simplerl_answer("no answer here") == ""
+
+
+def test_simplerl_box_wins_and_nested_braces():
+    assert simplerl_answer("The answer is 4. No: \\boxed{5}, and then 6") == "5"  # the box before any fallback
+    assert simplerl_answer("\\boxed{1} then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"  # the last box
+    assert simplerl_answer("\\boxed{\\sqrt{a^{2}}+{b}} tail") == "\\sqrt{a^{2}}+{b}"  # braces matched, nested ones kept
+    assert simplerl_answer("$\\boxed 7$ done") == "7"  # no brace: up to the next "$"
+    assert simplerl_answer("unclosed \\boxed{3+4") == "3+4"  # never closed: everything after the brace
+
+
+def test_simplerl_math_scores_what_math_verify_misses():
+    """The same completions score 0 with `math_verify` (a box or nothing) and 1 with SimpleRL's fallbacks."""
+    for completion, answer in [
+        ("2 + 3 = 5, so the answer is 5.", "5"),
+        ("Hence the final answer is \\frac{1}{2}", "0.5"),
+        ("Adding them up gives 42", "42"),
+        ("The answer is $\\frac{3}{4}$.", "\\frac34"),
+    ]:
+        assert math_verify(ctx(completion, answer=answer))[0] == 0.0
+        assert simplerl_math(ctx(completion, answer=answer)) == (1.0, {"boxed": 0.0}), completion
+    assert simplerl_math(ctx("The answer is 4, or \\boxed{5}", answer="5")) == (1.0, {"boxed": 1.0})
+    assert simplerl_math(ctx("The answer is 4, or \\boxed{5}", answer="4")) == (0.0, {"boxed": 1.0})  # the box wins
+    assert simplerl_math(ctx("\\boxed{\\frac{1}{2}}", answer="\\boxed{0.5}"))[0] == 1.0  # a boxed reference is kept
+    assert simplerl_math(ctx("the answer is 5<|im_end|> the answer is 6", answer="5"))[0] == 1.0  # cut at the end marker
+    assert simplerl_math(ctx("no idea", answer="5")) == (0.0, {"boxed": 0.0})
+    assert simplerl_math(ctx("the answer is 5", answer="5", finish_reason="length"))[0] == 1.0  # truncated: scored alike
+    assert load_reward("actors.rewards:simplerl_math").takes_context
+
+
 def test_gsm8k_verifier():
     """open-instruct GSM8KVerifier: commas between digits removed, the LAST number compared as text to the label."""
     assert gsm8k("3 apples + 15 = 18 apples. The answer is 18", "18") == 1.0
@@ -149,12 +192,13 @@ def test_dispatch_by_dataset():
     name an error that names it (open-instruct logs a warning and scores 0)."""
     assert by_dataset(ctx("so 42", answer="42", metadata={"dataset": "gsm8k"})) == 1.0
     assert by_dataset(ctx("\\boxed{0.5}", answer="\\frac{1}{2}", metadata={"dataset": "MATH"})) == 1.0
-    with pytest.raises(ValueError, match="no verifier for dataset 'ifeval'"):
-        by_dataset(ctx("x", metadata={"dataset": "ifeval"}))
+    assert by_dataset(ctx("all quiet", answer='{"func_name": "validate_lowercase", "N": null}', metadata={"dataset": "ifeval"})) == 1.0
+    with pytest.raises(ValueError, match="no verifier for dataset 'flan'"):
+        by_dataset(ctx("x", metadata={"dataset": "flan"}))
     with pytest.raises(ValueError, match="metadata\\['dataset'\\] is None"):
         by_dataset(ctx("x"))
     out = score_one(load_reward("actors.rewards:by_dataset"), ctx("x", metadata={"dataset": "code"}))
-    assert out == Outcome(0.0, {}, "ValueError: no verifier for dataset 'code' (known: gsm8k, math)")
+    assert out == Outcome(0.0, {}, "ValueError: no verifier for dataset 'code' (known: gsm8k, math, ifeval)")
 
 
 def test_open_instruct_scale_and_non_stop_penalty():

@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from learner.train.kl import make_kl
 from protocol.config import AlgoConfig
 
 # Bound on |logp - behaviour| before exp (verl clamps the same way). exp overflows float32 past 88; a behaviour
@@ -123,20 +124,6 @@ class DecoupledPPO:
 Correction = NoCorrection | TruncatedIS | DecoupledPPO
 
 
-def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k1 = log(pi / pi_ref): unbiased for KL(pi || pi_ref) on samples from pi, but can be negative."""
-    return logp - ref_logp
-
-
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 = exp(ref - logp) - (ref - logp) - 1: unbiased and never negative."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
-
-
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k3": kl_k3}
-
-
 @dataclass(kw_only=True, slots=True)
 class PolicyLossOut:
     loss: torch.Tensor  # scalar: (-sum(surr) + kl_coef sum(kl) - entropy_coef sum(H)) / total_tokens
@@ -223,8 +210,13 @@ def make_correction(algo: AlgoConfig) -> Correction:
 
 
 def make_policy_loss(algo: AlgoConfig) -> PolicyLoss:
+    # algo.kl_in_reward spends the KL in GAE's rewards instead (learner/train/kl.py): no KL term here, but the KL to
+    # the reference is still measured when the trainer passes ref_logp.
     return PolicyLoss(
-        correction=make_correction(algo), kl_coef=algo.kl_coef, kl=KL_ESTIMATORS[algo.kl_estimator], entropy_coef=algo.entropy_coef
+        correction=make_correction(algo),
+        kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
+        kl=make_kl(algo),
+        entropy_coef=algo.entropy_coef,
     )
 
 

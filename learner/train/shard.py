@@ -165,7 +165,9 @@ def make_shares(
     rewards = torch.from_numpy(np.stack([g.rewards for g in groups]).astype(np.float32))
     unit = make_advantage(cfg.algo)
     # Group advantages need the whole group, so rank 0 computes them; GAE is per sample and runs on each rank.
-    advantages = unit.per_sample(rewards) if isinstance(unit, GroupAdvantage) else torch.zeros_like(rewards)
+    # reinforce_baseline also whitens over the whole batch's completion tokens, hence the lengths.
+    lengths = torch.from_numpy(np.stack([g.lengths for g in groups]).astype(np.int64))
+    advantages = unit.per_sample(rewards, lengths) if isinstance(unit, GroupAdvantage) else torch.zeros_like(rewards)
     samples = [s for g, adv in zip(groups, advantages, strict=True) for s in group_samples(g, adv)]
     shares = split_rollout_batch(
         samples,

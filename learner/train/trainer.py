@@ -32,6 +32,7 @@ from learner.train.advantages import make_advantage
 from learner.train.batch import TokenBatch
 from learner.train.distributed import Topology
 from learner.train.engines import UpdateLayout, build_engines
+from learner.train.kl import make_kl_reward
 from learner.train.layout import attention_implementation, micro_batch_layout
 from learner.train.losses import make_policy_loss, value_loss
 from learner.train.scoring import score_tokens
@@ -63,6 +64,7 @@ class Trainer:
         self.cfg, self.topo, self.layout = cfg, topo, layout
         self.advantage = make_advantage(cfg.algo)
         self.policy_loss = make_policy_loss(cfg.algo)
+        self.kl_reward = make_kl_reward(cfg.algo)  # None unless algo.kl_in_reward (gae): then the loss has no KL term
         if self.advantage.needs_critic and topo.sp_size > 1:
             raise ConfigError(
                 "algo.advantage: gae needs every value of a sample on one rank; it does not run with train.sequence_parallel_size > 1 yet"
@@ -76,7 +78,7 @@ class Trainer:
             layout,
             attention_implementation(cfg.train),
             critic=self.advantage.needs_critic,
-            reference=self.policy_loss.needs_reference or cfg.algo.keep_reference,
+            reference=self.policy_loss.needs_reference or self.kl_reward is not None or cfg.algo.keep_reference,
         )
         self.engine, self.head, self.vocab_size = engines.policy, engines.head, engines.vocab_size
         self.critic, self.reference = engines.critic, engines.reference
@@ -187,7 +189,9 @@ class Trainer:
             self.critic.eval()
             values = self.critic(**self._kwargs(mb))
             old = values[mb.score_rows.to(dev), mb.score_cols.to(dev)].float()
-            adv = self.advantage(mb.rewards.to(dev), mb.lengths.to(dev), old)  # type: ignore[attr-defined]  # padded and packed layouts have them
+            # algo.kl_in_reward: -kl_coef * KL(behaviour || reference) on every token, before GAE (learner/train/kl.py)
+            penalty = None if self.kl_reward is None else self.kl_reward(mb.behaviour_logp.to(dev), out["ref"])
+            adv = self.advantage(mb.rewards.to(dev), mb.lengths.to(dev), old, penalty)  # type: ignore[attr-defined]  # padded and packed layouts have them
             assert adv.returns is not None
             out.update(old_values=old, advantages=adv.tokens.float(), returns=adv.returns.float())
         return out

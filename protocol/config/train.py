@@ -11,9 +11,10 @@ from typing import Literal
 
 from protocol.config.errors import check_choices, need, parse_cpus
 
-Advantage = Literal["grpo", "dr_grpo", "gae"]
+Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline", "gae"]
+GrpoStd = Literal["biased", "unbiased"]
 Correction = Literal["none", "tis", "decoupled"]
-KlEstimator = Literal["k1", "k3"]
+KlEstimator = Literal["k1", "k2", "k3"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,7 +66,10 @@ class TrainConfig:
 
 @dataclass(kw_only=True, slots=True)
 class AlgoConfig:
-    advantage: Advantage = "grpo"  # grpo (group mean/std) | dr_grpo (group mean only) | gae (critic + GAE, i.e. PPO)
+    # grpo (group mean/std) | dr_grpo (group mean only) | rloo (leave-one-out mean) | reinforce_baseline (group mean,
+    # then whitened over the batch: REINFORCE++-baseline) | gae (critic + GAE, i.e. PPO)
+    advantage: Advantage = "grpo"
+    grpo_std: GrpoStd = "biased"  # grpo's group std: biased (divide by n) | unbiased (n - 1, torch.std: verl, SimpleRL)
     gamma: float = 1.0  # GAE discount (advantage = gae only)
     lam: float = 1.0  # GAE lambda (advantage = gae only); 1.0 with gamma 1.0 is Open-Reasoner-Zero's setting
     clip_low: float = 0.2  # ratio floor 1 - clip_low
@@ -73,7 +77,9 @@ class AlgoConfig:
     correction: Correction = "tis"  # off-policy correction for stale samples: none | tis | decoupled
     tis_cap: float = 2.0  # cap C of the truncated importance weight (tis, decoupled)
     kl_coef: float = 0.0  # weight of the KL penalty to the frozen reference model (0 = no reference model)
-    kl_estimator: KlEstimator = "k3"  # k1 (log ratio) | k3 (unbiased, non-negative)
+    kl_estimator: KlEstimator = "k3"  # k1 (log ratio) | k2 (half its square) | k3 (unbiased, non-negative)
+    kl_clamp: float = 0.0  # bound each token's KL estimate to [-kl_clamp, kl_clamp] (0 = none; verl clamps k3 at 10)
+    kl_in_reward: bool = False  # gae: -kl_coef * KL per token in the reward before GAE, not in the loss (Tulu 3 PPO)
     keep_reference: bool = False  # hold the reference model even at kl_coef = 0, to report KL to it (as ORZ does)
     entropy_coef: float = 0.0  # entropy bonus weight
     filter_equal_rewards: bool = False  # drop groups whose rewards are all equal (no GRPO signal)
@@ -90,11 +96,24 @@ class AlgoConfig:
         need(self.clip_high > 0, "algo.clip_high", "must be > 0")
         need(self.tis_cap >= 1, "algo.tis_cap", "must be >= 1 (a cap below 1 would shrink on-policy weights)")
         need(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
+        need(self.kl_clamp >= 0, "algo.kl_clamp", "must be >= 0 (0 = no clamp)")
+        need(
+            not self.kl_in_reward or self.advantage == "gae",
+            "algo.kl_in_reward",
+            f"needs algo.advantage = gae; {self.advantage}'s advantages are made on rank 0 before any reference logprob exists"
+            " (put the KL in the loss: kl_in_reward = false)",
+        )
+        need(not self.kl_in_reward or self.kl_coef > 0, "algo.kl_in_reward", "needs algo.kl_coef > 0 (the penalty's weight)")
+        need(
+            self.grpo_std == "biased" or self.advantage == "grpo",
+            "algo.grpo_std",
+            f"is grpo's group std; algo.advantage = {self.advantage} does not divide by it",
+        )
         need(self.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0")
         need(self.value_clip > 0, "algo.value_clip", "must be > 0")
         need(self.critic_lr > 0, "algo.critic_lr", "must be > 0")
         need(
             not self.advantage_normalize or self.advantage == "gae",
             "algo.advantage_normalize",
-            f"whitens GAE advantages; algo.advantage = {self.advantage} normalises within each group already",
+            f"whitens GAE advantages; algo.advantage = {self.advantage} sets the scale of its group advantages itself",
         )

@@ -5,13 +5,12 @@ import math
 import pytest
 import torch
 
+from learner.train.kl import kl_k1, kl_k3
 from learner.train.losses import (
     DecoupledPPO,
     NoCorrection,
     PolicyLoss,
     TruncatedIS,
-    kl_k1,
-    kl_k3,
     make_policy_loss,
     value_loss,
 )

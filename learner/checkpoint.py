@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints of the policy in RUN_DIR/checkpoints: step-N folders, the newest `keep` plus the best.
+"""Hugging Face checkpoints of the policy in RUN_DIR/checkpoints: step-N folders, the newest `keep` plus the best,
+plus every `keep_every`-th update's for good (a run's history: Open-Reasoner-Zero and verl's recipes delete none).
 
     save:    write into .tmp-step-N-part, fsync every file, rename to step-N (atomic), fsync the folder
     rotate:  rename each folder to go to .trash-step-N-PID (atomic), then delete it
@@ -156,11 +157,19 @@ class CheckpointManager:
         self.best = best
         self.log.info("checkpoint.new_best", **best)
 
-    def _rotate(self) -> None:
-        steps = self.steps()
+    def kept(self, steps: list[int]) -> set[int]:
+        """Of the checkpoints `steps` (oldest first), those rotation keeps: the newest `keep`, the best, and every
+        `keep_every`-th update's."""
         keep = set(steps[-self.cfg.keep :])
         if self.best is not None:
             keep.add(self.best["step"])
+        if (every := self.cfg.keep_every) > 0:
+            keep.update(s for s in steps if s % every == 0)
+        return keep
+
+    def _rotate(self) -> None:
+        steps = self.steps()
+        keep = self.kept(steps)
         for step in steps:
             if step in keep:
                 continue

@@ -4,6 +4,12 @@ train.total_steps updates (rollout batches), or total_episodes / rollout batch w
 (whole). Over N training prompts: N / prompts_per_step updates per epoch, updates x prompts_per_step / N epochs,
 epochs x samples_per_prompt samples per prompt. N comes from the prompt set when it is at hand (addition: 100;
 data.path: its rows minus the validation split), else from data.num_prompts.
+
+FleetRL's epochs run back to back (learner/hub/core/ledger.py opens the next when the queue runs dry), so a rollout
+batch may span two and none is partial. The sources iterate a dataloader per epoch instead, whose last batch holds
+N mod prompts_per_step prompts: Open-Reasoner-Zero trains it (torch DataLoader, drop_last False: ceil(N / B)
+batches per epoch); verl (drop_last=True) and open-instruct (ShufflingIterator: an epoch is N - N mod B prompts)
+drop it (floor(N / B)). The plan counts both, so a source's "E epochs" reads as updates.
 """
 
 from __future__ import annotations
@@ -16,15 +22,31 @@ from protocol.config import Config
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LrPlan:
+    """The policy's learning rate over the run (learner/train/lr_schedule.py; the critic's scales with algo.critic_lr)."""
+
+    peak: float  # train.lr
+    warmup_steps: int  # optimizer steps
+    first: float  # the first optimizer step's: peak / warmup_steps (the peak without warmup)
+    schedule: str  # train.lr_schedule
+    final: float  # where the decay ends, after the last step: peak x train.min_lr_ratio (constant: the peak)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunLength:
     source: str  # train.total_steps | train.total_episodes
     updates: int  # rollout batches trained in the run
     optimizer_steps: int  # updates x S: the final policy version
+    lr: LrPlan  # the learning rate over those steps
     episodes: int  # samples trained over the run
     num_prompts: int | None  # training prompts (None: unknown)
     prompts_source: str
-    updates_per_epoch: float | None
-    epochs: float | None
+    updates_per_epoch: float | None  # N / prompts_per_step: FleetRL's epochs run back to back
+    last_batch: int | None  # prompts in a per-epoch dataloader's last batch, N mod prompts_per_step (0: none partial)
+    batches_kept: int | None  # a per-epoch dataloader's batches, the partial last one trained: ceil(N / B) (ORZ)
+    batches_dropped: int | None  # the same with the partial one dropped: floor(N / B) (verl, open-instruct)
+    epochs: float | None  # passes over the prompt set, as FleetRL trains them
+    max_epochs: int  # data.epochs: the ledger opens no more, so a run longer than that runs out of prompts
     samples_per_prompt: float | None  # samples drawn per prompt over the run
 
 
@@ -41,17 +63,34 @@ def run_length(cfg: Config, batch: BatchLayout, num_prompts: int | None) -> RunL
         updates, source = t.total_episodes // rollout, "train.total_episodes"
     else:
         updates, source = t.total_steps, "train.total_steps"
+    optimizer_steps = updates * batch.steps_per_update
+    need(
+        t.lr_schedule == "constant" or t.warmup_steps < optimizer_steps,
+        "train.warmup_steps",
+        f"{t.warmup_steps} >= the run's {optimizer_steps} optimizer steps: train.lr_schedule = {t.lr_schedule} would never decay",
+    )
     n, prompts_source = (num_prompts, "the loaded prompt set") if num_prompts is not None else prompt_count(cfg)
     epochs = updates * t.prompts_per_step / n if n else None
     return RunLength(
         source=source,
         updates=updates,
-        optimizer_steps=updates * batch.steps_per_update,
+        optimizer_steps=optimizer_steps,
+        lr=LrPlan(
+            peak=t.lr,
+            warmup_steps=t.warmup_steps,
+            first=t.lr / max(1, t.warmup_steps),
+            schedule=t.lr_schedule,
+            final=t.lr if t.lr_schedule == "constant" else t.lr * t.min_lr_ratio,
+        ),
         episodes=updates * rollout,
         num_prompts=n,
         prompts_source=prompts_source,
         updates_per_epoch=n / t.prompts_per_step if n else None,
+        last_batch=n % t.prompts_per_step if n else None,
+        batches_kept=-(-n // t.prompts_per_step) if n else None,
+        batches_dropped=n // t.prompts_per_step if n else None,
         epochs=epochs,
+        max_epochs=cfg.data.epochs,
         samples_per_prompt=epochs * batch.samples_per_prompt if epochs is not None else None,
     )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from learner.plan.layout import BatchLayout, Placement
-from learner.plan.length import RunLength
+from learner.plan.length import LrPlan, RunLength
 from learner.plan.make import Plan
 from learner.plan.memory import FIT_SHARE, GIB, NCCL_RESERVE, ActorMemory, LearnerMemory
 
@@ -92,18 +92,44 @@ def batch_rows(b: BatchLayout, p: Placement) -> Rows:
 
 def length_rows(n: RunLength, b: BatchLayout) -> Rows:
     unknown = ("unknown", "")
-    per_epoch = (f"{n.updates_per_epoch:.2f}", f"= {n.num_prompts:,} / {b.prompts_per_update}") if n.updates_per_epoch else unknown
-    epochs = (f"{n.epochs:.2f}", f"= {n.updates:,} x {b.prompts_per_update} / {n.num_prompts:,}") if n.epochs else unknown
+    per_epoch, loader, epochs = unknown, unknown, unknown
+    if n.num_prompts and n.updates_per_epoch and n.epochs:
+        how = f"= {n.num_prompts:,} / {b.prompts_per_update}; FleetRL's epochs run back to back, a batch may span two"
+        per_epoch = (f"{n.updates_per_epoch:.2f}", how)
+        epochs_how = f"= {n.updates:,} x {b.prompts_per_update} / {n.num_prompts:,}"
+        if n.last_batch:
+            loader = (
+                f"{n.batches_kept:,} | {n.batches_dropped:,}",
+                f"batches per epoch, the last of {n.last_batch:,} prompts trained (ORZ) | dropped (verl, open-instruct)",
+            )
+            kept = f"{n.updates / n.batches_kept:.2f}" if n.batches_kept else "-"
+            dropped = f"{n.updates / n.batches_dropped:.2f}" if n.batches_dropped else "-"
+            epochs_how += f"; as the sources count: {kept} (ORZ) | {dropped} (verl, open-instruct)"
+        else:
+            loader = (f"{n.batches_kept:,}", "batches per epoch, none partial")
+        if n.epochs > n.max_epochs:
+            epochs_how += f"; more than data.epochs = {n.max_epochs}: the prompts run out first"
+        epochs = (f"{n.epochs:.2f}", epochs_how)
     per_prompt = (f"{n.samples_per_prompt:.1f}", f"= epochs x {b.samples_per_prompt}") if n.samples_per_prompt else unknown
     return [
         ("updates", f"{n.updates:,}", f"rollout batches ({n.source})"),
         ("optimizer steps", f"{n.optimizer_steps:,}", "the final policy version"),
+        ("learning rate", f"{n.lr.peak:g}", lr_how(n.lr, n.optimizer_steps)),
         ("samples", f"{n.episodes:,}", ""),
         ("training prompts", f"{n.num_prompts:,}" if n.num_prompts else "unknown", n.prompts_source),
         ("updates per epoch", *per_epoch),
+        ("per-epoch dataloader", *loader),
         ("epochs", *epochs),
         ("samples per prompt", *per_prompt),
     ]
+
+
+def lr_how(lr: LrPlan, steps: int) -> str:
+    """The schedule in words (learner/train/lr_schedule.py)."""
+    warmup = f"warmup over {lr.warmup_steps:,} optimizer steps from {lr.first:g}, then " if lr.warmup_steps else ""
+    if lr.schedule == "constant":
+        return f"peak (train.lr); {warmup}constant"
+    return f"peak (train.lr); {warmup}{lr.schedule} decay to {lr.final:g} after step {steps:,}"
 
 
 def learner_rows(m: LearnerMemory) -> Rows:

@@ -1,7 +1,8 @@
 """What trains on a learner rank, built once at start: the policy's DeepSpeed engine, the GAE critic's, the frozen
 reference, each with the attention that matches the micro-batch layout (learner/train/layout.py).
 
-    model --set attention, scoring head, checkpointing--> deepspeed.initialize (ZeRO stage, AdamW, LR schedule)
+    model --set attention, scoring head, checkpointing--> deepspeed.initialize (ZeRO stage, AdamW, LR schedule:
+                                                          learner/train/lr_schedule.py over the run's optimizer steps)
     critic (algo.advantage = gae)          the same, with algo.critic_lr
     reference (KL, algo.keep_reference)    a plain frozen model on the device: no optimizer, never synced
 
@@ -19,24 +20,33 @@ import torch
 from learner.plan import Plan
 from learner.train.attention.varlen import disable_cudnn_sdpa
 from learner.train.distributed import Topology
+from learner.train.lr_schedule import lr_scheduler
 from learner.train.scoring import ScoringHead, install_scoring_head
 from protocol.config import Config
 
 
 @dataclass(frozen=True, slots=True)
 class UpdateLayout:
-    """The per-rank batch arithmetic of one update (validated at start by learner/plan/layout.py)."""
+    """The per-rank batch arithmetic of one update (validated at start by learner/plan/layout.py), and the run's
+    length in optimizer steps, over which the learning rate decays."""
 
     mini_batches: int
     ppo_epochs: int
     micro_samples: int  # samples per forward/backward (1 with a token budget: DeepSpeed's bookkeeping only)
     accumulation: int  # micro-batches per optimizer step on one rank (with a token budget, the most there can be)
+    run_steps: int  # optimizer steps in the whole run (the plan's run length): where train.lr_schedule's decay ends
 
     @classmethod
     def of(cls, plan: Plan) -> UpdateLayout:
         """The layout `fleetrl plan` computed for this run (learner/plan/layout.py checks it adds up)."""
         b = plan.batch
-        return cls(mini_batches=b.mini_batches, ppo_epochs=b.ppo_epochs, micro_samples=b.micro_batch, accumulation=b.accumulation)
+        return cls(
+            mini_batches=b.mini_batches,
+            ppo_epochs=b.ppo_epochs,
+            micro_samples=b.micro_batch,
+            accumulation=b.accumulation,
+            run_steps=plan.length.optimizer_steps,
+        )
 
     @property
     def optimizer_steps(self) -> int:
@@ -72,6 +82,7 @@ def build_engines(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=deepspeed_config(cfg, layout, cfg.train.lr, cuda),
+        lr_scheduler=lr_scheduler(cfg.train, layout.run_steps),
         mpu=topo.mpu,
     )
     out = Engines(policy=policy, head=head, vocab_size=vocab_size)
@@ -87,6 +98,7 @@ def build_engines(
             model=value_model,
             model_parameters=list(value_model.parameters()),
             config=deepspeed_config(cfg, layout, cfg.algo.critic_lr, cuda),
+            lr_scheduler=lr_scheduler(cfg.train, layout.run_steps),  # one critic step per policy step: the same T
             mpu=topo.mpu,
         )
     if reference:
@@ -99,6 +111,8 @@ def build_engines(
 
 
 def deepspeed_config(cfg: Config, layout: UpdateLayout, lr: float, cuda: bool) -> dict:
+    """`lr`: the peak learning rate. The schedule is no DeepSpeed scheduler but learner/train/lr_schedule.py's,
+    handed to deepspeed.initialize beside this config."""
     return {
         "train_micro_batch_size_per_gpu": layout.micro_samples,
         "gradient_accumulation_steps": layout.accumulation,
@@ -110,18 +124,10 @@ def deepspeed_config(cfg: Config, layout: UpdateLayout, lr: float, cuda: bool) -
             "params": {
                 "lr": lr,
                 "weight_decay": cfg.train.weight_decay,
-                "betas": [0.9, 0.999],
+                "betas": list(cfg.train.adam_betas),
+                "eps": cfg.train.adam_eps,
                 "torch_adam": True,
                 **({"fused": True} if cuda else {}),
-            },
-        },
-        "scheduler": {
-            "type": "WarmupLR",
-            "params": {
-                "warmup_min_lr": 0.0,
-                "warmup_max_lr": lr,
-                "warmup_num_steps": max(1, cfg.train.warmup_steps),
-                "warmup_type": "linear",
             },
         },
         "zero_optimization": {"stage": cfg.train.zero_stage, **_sp_zero3_fix(cfg)},

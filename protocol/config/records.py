@@ -16,12 +16,19 @@ WANDB_MODES: tuple[WandbMode, ...] = typing.get_args(WandbMode)
 class CheckpointConfig:
     every_steps: int = 0  # write a Hugging Face checkpoint every N updates (rollout batches; 0 = only at the end)
     keep: int = 3  # newest checkpoints kept on disk (the best one is always kept)
+    keep_every: int = 0  # also keep every N-th update's checkpoint forever (a multiple of every_steps; 0 = off)
     best_metric: str = "eval/val/reward_mean"  # metric that picks the best checkpoint (higher is better)
 
     def __post_init__(self) -> None:
         # a multiple of eval.every_steps when best_metric is an eval score: protocol/config/root.py
         need(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
         need(self.keep >= 1, "checkpoint.keep", "must be >= 1")
+        need(self.keep_every >= 0, "checkpoint.keep_every", "must be >= 0 (0 = off)")
+        need(
+            self.keep_every == 0 or (self.every_steps > 0 and self.keep_every % self.every_steps == 0),
+            "checkpoint.keep_every",
+            f"{self.keep_every} must be a multiple of checkpoint.every_steps ({self.every_steps}): only those updates have checkpoints",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

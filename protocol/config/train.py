@@ -6,7 +6,7 @@ train.ppo_epochs optimizer steps. The policy version counts optimizer steps; tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from protocol.config.errors import check_choices, need, parse_cpus
@@ -14,6 +14,7 @@ from protocol.config.errors import check_choices, need, parse_cpus
 Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline", "gae"]
 GrpoStd = Literal["biased", "unbiased"]
 Correction = Literal["none", "tis", "decoupled"]
+LrSchedule = Literal["constant", "linear", "cosine"]
 KlEstimator = Literal["k1", "k2", "k3"]
 
 
@@ -26,8 +27,14 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per rollout batch and PPO epoch (the batch split evenly)
     ppo_epochs: int = 1  # passes over each rollout batch: an update takes mini_batches x ppo_epochs optimizer steps
     lr: float = 5e-4  # AdamW peak learning rate
-    warmup_steps: int = 10  # linear LR warmup, in optimizer steps; Adam's first steps are sign-like and jolt a small policy
+    # linear LR warmup, in optimizer steps: step t (from 0) of the first N runs at lr x (t + 1) / N, so the first
+    # at lr / N, never 0; Adam's first steps are sign-like and jolt a small policy
+    warmup_steps: int = 10
+    lr_schedule: LrSchedule = "constant"  # after warmup: constant | linear | cosine decay to lr x min_lr_ratio over the run
+    min_lr_ratio: float = 0.0  # linear/cosine: the floor of the decay, a fraction of lr, reached after the run's last step
     weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2), policy and critic
+    adam_eps: float = 1e-8  # AdamW epsilon, added to sqrt(v): policy and critic
     grad_clip: float = 1.0  # global gradient-norm clip
     zero_stage: Literal[0, 1, 2, 3] = 2  # DeepSpeed ZeRO stage (0, 1, 2 or 3)
     micro_batch_samples: int = 64  # samples per forward/backward per data-parallel rank (accumulation beyond)
@@ -49,6 +56,13 @@ class TrainConfig:
         need(self.total_steps >= 1, "train.total_steps", "must be >= 1")
         need(self.lr > 0, "train.lr", "must be > 0")
         need(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        need(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+        need(
+            len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+            "train.adam_betas",
+            f"{self.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]",
+        )
+        need(self.adam_eps > 0, "train.adam_eps", "must be > 0")
         need(self.total_episodes >= 0, "train.total_episodes", "must be >= 0 (0 = use train.total_steps)")
         need(self.mini_batches >= 1, "train.mini_batches", "must be >= 1")
         need(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")

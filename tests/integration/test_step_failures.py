@@ -101,7 +101,7 @@ def test_a_behaviour_logprob_of_minus_200_no_longer_skips_the_update(zero2):
 def test_a_skipped_step_is_reported_and_not_applied(zero2, poison, failed):
     cfg, trainer = zero2
     share = one_share(cfg, trainer)
-    trainer.update(share)  # past WarmupLR's first step at lr 0: from here on every applied step moves the weights
+    trainer.update(share)  # a first update, so that the poisoned one is not the run's first (every applied step moves the weights)
     before, skipped = weights(trainer), trainer.engine.skipped_steps
     real = trainer.policy_loss
     trainer.policy_loss = PoisonedLoss(real, poison)
@@ -136,7 +136,7 @@ def test_a_skipped_critic_step_is_reported_and_leaves_the_policy_alone(tiny_mode
     critic's weights, and the policy's steps, whose advantages came from the values before the update, all apply."""
     cfg, trainer = make_trainer(tiny_model_dir, "train.zero_stage=2", "algo.advantage=gae", "algo.critic_lr=1e-3")
     share = one_share(cfg, trainer)
-    trainer.update(share)  # past WarmupLR's first step at lr 0
+    trainer.update(share)  # a first update, so that the poisoned one is not the run's first
     monkeypatch.setattr("learner.train.trainer.value_loss", PoisonedLoss(value_loss, {0, 1}))
     critic_before, policy_before = critic_weights(trainer), weights(trainer)
     stats = trainer.update(share)

@@ -150,7 +150,7 @@ def test_deepspeed_zero2_guarded_sync(tiny_model_dir):
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "train.zero_stage=2", "train.micro_batch_samples=64", "weights.bucket_mb=1"])
     init_distributed()
-    layout = UpdateLayout(mini_batches=1, ppo_epochs=1, micro_samples=64, accumulation=2)
+    layout = UpdateLayout(mini_batches=1, ppo_epochs=1, micro_samples=64, accumulation=2, run_steps=100)
     trainer = Trainer(cfg, AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32), make_topology(1), layout)
     named = list(trainer.engine.module.named_parameters())
     sender = WeightSender.for_params(cfg.weights, named, "float32")
@@ -164,7 +164,7 @@ def test_deepspeed_zero2_guarded_sync(tiny_model_dir):
             engine.step()
 
     step()
-    step()  # WarmupLR runs its first two steps at lr 0: from the third on the weights move
+    step()  # every step moves the weights: the warmup's first runs at lr / warmup_steps, not 0
     go = threading.Event()
     inner = engine.optimizer.optimizer  # the torch optimizer inside ZeRO, where the guard hooks in
     inner._optimizer_step_pre_hooks.move_to_end(inner.register_step_pre_hook(lambda *_: go.set()).id, last=False)

@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 
 from deploy.tiny import build_model, build_tokenizer
 from learner.checkpoint import CheckpointManager, hf_writer
-from protocol.config import load_config
+from protocol.config import ConfigError, load_config
 
 METRIC = "eval/val/reward_mean"
 
@@ -50,6 +50,24 @@ def test_rotation_keeps_newest_and_best_and_records_best(tmp_path, policy):
     again = manager(tmp_path, policy, keep=2, every=1)
     assert again.best is not None and again.best["step"] == 7 and again.maybe_save(8, {METRIC: 0.8}) != {}
     assert again.best["step"] == 7 and again.steps() == [7, 8]
+
+
+def test_keep_every_keeps_those_updates_forever(tmp_path):
+    """checkpoint.keep_every = 4 over checkpoints every 2 updates, keep 2: 4 and 8 stay when they leave the newest two
+    (the sources' recipes keep a run's whole history; this keeps part of it without filling the disk)."""
+    cfg = load_config(None, ["checkpoint.keep=2", "checkpoint.every_steps=2", "checkpoint.keep_every=4"]).checkpoint
+    ckpt = CheckpointManager(cfg, tmp_path, lambda path: (path / "w").write_text("w"))
+    for step in range(1, 13):
+        ckpt.maybe_save(step, {METRIC: 0.0} if step == 2 else {}, last=step == 12)
+    assert ckpt.steps() == [2, 4, 8, 10, 12]  # 2: the best; 4, 8 (and 12): every 4th; 10, 12: the newest two
+    off = CheckpointManager(load_config(None, ["checkpoint.keep=2", "checkpoint.every_steps=2"]).checkpoint, tmp_path / "b", lambda p: None)
+    for step in range(2, 13, 2):
+        off.maybe_save(step, {})
+    assert off.steps() == [10, 12]
+    with pytest.raises(ConfigError, match=r"^checkpoint\.keep_every: 3 must be a multiple of checkpoint\.every_steps \(2\)"):
+        load_config(None, ["checkpoint.every_steps=2", "checkpoint.keep_every=3"])
+    with pytest.raises(ConfigError, match=r"^checkpoint\.keep_every: must be >= 0"):
+        load_config(None, ["checkpoint.keep_every=-1"])
 
 
 def test_checkpoint_reloads_with_identical_logits(tmp_path, policy):

@@ -91,7 +91,7 @@ def test_deepspeed_sums_micro_batch_gradients_in_fp32_under_bf16():
     from learner.train.engines import UpdateLayout, deepspeed_config
     from protocol.config import load_config
 
-    layout = UpdateLayout(mini_batches=1, ppo_epochs=1, micro_samples=1, accumulation=8)
+    layout = UpdateLayout(mini_batches=1, ppo_epochs=1, micro_samples=1, accumulation=8, run_steps=100)
     bf16 = deepspeed_config(load_config(None, ["model.dtype=bfloat16"]), layout, 1e-6, cuda=True)
     assert bf16["bf16"]["enabled"] and bf16["data_types"]["grad_accum_dtype"] == "fp32"
     assert bf16["optimizer"]["params"]["fused"] is True  # torch's fused AdamW on CUDA

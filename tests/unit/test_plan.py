@@ -96,6 +96,33 @@ def test_simplerl_zoo_epochs():
         plan_of("simplerl_zoo_qwen2.5_7b.toml", "staleness.max_staleness=2")
 
 
+def test_run_length_counts_the_sources_per_epoch_batches():
+    """FleetRL's epochs run back to back (no partial batch); the sources' dataloaders end each epoch with a batch of
+    N mod B prompts, which ORZ trains (ceil) and verl and open-instruct drop (floor). The plan counts both."""
+    orz = plan_of("orz_0p5b_ppo.toml").length  # 57,000 prompts in batches of 128
+    assert (orz.last_batch, orz.batches_kept, orz.batches_dropped) == (40, 446, 445)
+    assert orz.updates_per_epoch == pytest.approx(445.3125)  # FleetRL's own count is unchanged
+    text = render(plan_of("orz_0p5b_ppo.toml"))
+    assert "446 | 445" in text and "the last of 40 prompts trained (ORZ) | dropped (verl, open-instruct)" in text
+    assert "as the sources count: 19.97 (ORZ) | 20.01 (verl, open-instruct)" in text  # 8,906 / 446, 8,906 / 445
+    simplerl = plan_of("simplerl_zoo_qwen2.5_7b.toml").length  # 8,532 / 1,024: verl's 8 batches per epoch
+    assert (simplerl.last_batch, simplerl.batches_kept, simplerl.batches_dropped) == (340, 9, 8)
+    whole = make_plan(default("train.prompts_per_step=20"))  # addition's 100 prompts: 5 whole batches
+    assert (whole.length.last_batch, whole.length.batches_kept, whole.length.batches_dropped) == (0, 5, 5)
+    assert "batches per epoch, none partial" in render(whole)
+    short = render(make_plan(default("data.epochs=10")))  # 100 updates x 16 prompts = 16 passes over 100 prompts
+    assert "more than data.epochs = 10: the prompts run out first" in short
+    assert "data.epochs" not in render(make_plan(default()))
+
+
+def test_plan_shows_the_learning_rate():
+    (row,) = [line for line in render(make_plan(default())).splitlines() if "learning rate" in line]
+    assert "0.0005" in row and "warmup over 10 optimizer steps from 5e-05, then constant" in row
+    cfg = default("train.lr_schedule=cosine", "train.min_lr_ratio=0.1", "train.warmup_steps=0")
+    (row,) = [line for line in render(make_plan(cfg)).splitlines() if "learning rate" in line]
+    assert row.endswith("peak (train.lr); cosine decay to 5e-05 after step 100")
+
+
 def test_open_instruct_tulu3_8b():
     p = plan_of("open_instruct_tulu3_8b_rlvr.toml")
     assert p.placement.learner_ranks == 7 and p.placement.actor_engines == 1  # 8 GPUs: 7 learning, 1 generating

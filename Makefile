@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) -m bench.async_vs_sync
 	$(PY) -m bench.learner_zero
 	$(PY) -m bench.packing
+	$(PY) -m bench.recompute
 	$(PY) -m bench.late_join
 	$(PY) -m bench.sync_stall
 	$(PY) -m bench.actor_scaling

@@ -1,17 +1,20 @@
-"""The policy loss (clipped surrogate + off-policy correction + KL + entropy) and the critic's value loss.
+"""The policy loss (ratio + clipped surrogate + off-policy correction + KL + entropy, aggregated) and the critic's
+value loss. `make_policy_loss` composes one small unit per choice in [algo], once:
 
-Token tensors are flat [T] over a micro-batch's completion tokens (samples concatenated),
-advantages already per token. Aggregation is token-level: every sum is divided by
-`total_tokens`, the completion tokens of the whole optimizer step, so gradient-accumulated
-micro-batches add up to exactly the full-batch loss, and every token weighs the same
-whatever its sequence's length.
+    old_logprobs, ratio, seq_mask_bound   learner/train/ratio.py: what r is taken against, how it is pooled, which
+                                          samples are too far off-policy to train on
+    correction                            here: what the clipped surrogate does with r
+    loss_agg                              learner/train/aggregation.py: how per-token terms add up to the loss
+    kl_estimator, kl_in_reward            learner/train/kl.py
 
-The off-policy correction is one small unit per `[algo] correction`, chosen once by
-`make_policy_loss`:
-- none:      r = exp(logp - behaviour); surr = min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
-- tis:       as none, and where A < 0 the ratio is truncated at tis_cap: surr = max(surr, tis_cap A)
-- decoupled: AReaL's decoupled PPO: clip against the proximal policy (the learner before this update)
-             and weight by the behaviour importance weight w = min(exp(prox - behaviour), tis_cap)
+Token tensors are flat [T] over a micro-batch's completion tokens (samples concatenated), advantages already per
+token. With r the ratio (against `old`, behaviour or recomputed) and A the advantage:
+- none:      surr = min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
+- tis:       dual clip (Ye et al. 2019, arXiv 1912.09729): where A < 0, surr = max(surr, tis_cap A), i.e. r
+             truncated at tis_cap there (verl's clip_ratio_c, OpenRLHF's --dual_clip)
+- decoupled: AReaL's decoupled PPO: r against the proximal policy (old_logprobs = recompute), dual-clipped as tis,
+             times the behaviour importance weight w = min(exp(prox - behaviour), tis_cap) (what verl, OpenRLHF and
+             open-instruct call TIS)
 """
 
 from __future__ import annotations
@@ -22,20 +25,34 @@ from typing import ClassVar
 
 import torch
 
+from learner.train.aggregation import Aggregation, Denominators, Segments, TokenMean, make_aggregation
 from learner.train.kl import make_kl
+from learner.train.ratio import (
+    Anchor,
+    Behaviour,
+    NoMask,
+    Ratio,
+    Recompute,
+    SeqMask,
+    SequenceMask,
+    SequenceRatio,
+    TokenRatio,
+    bounded,
+)
 from protocol.config import AlgoConfig
-
-# Bound on |logp - behaviour| before exp (verl clamps the same way). exp overflows float32 past 88; a behaviour
-# logprob an actor got wrong by that much (-200 for a likely token) made every gradient NaN (0 x inf in the
-# unselected branch of the min) and DeepSpeed skipped the whole step. A ratio of e^20 is far outside any clip
-# range: clamping only zeroes the gradient of tokens that are clipped or truncated anyway, except under
-# correction = none with A < 0, where it was astronomically large.
-LOG_RATIO_BOUND = 20.0
 
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
     """min(r A, clip(r, 1 - clip_low, 1 + clip_high) A): no gain from moving r past the clip range."""
     return torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv)
+
+
+def dual_clip(surr: torch.Tensor, adv: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """For A < 0 the unclipped branch r A grows without bound as r grows (stale or mismatched samples); flooring
+    the objective at cap A there bounds each token's loss by cap |A|. Returns (surr, where the floor is active)."""
+    bound = cap * adv
+    floored = (adv < 0) & (surr < bound)
+    return torch.where(floored, bound, surr), floored.detach()
 
 
 def _outside(ratio: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
@@ -47,22 +64,22 @@ class Surrogate:
     surr: torch.Tensor  # [T] per-token objective (maximised)
     ratio: torch.Tensor  # [T] detached: the ratio that was clipped
     clipped: torch.Tensor  # bool [T]: ratio outside [1 - clip_low, 1 + clip_high]
-    truncated: torch.Tensor  # bool [T]: the tis_cap bound was active
+    truncated: torch.Tensor  # bool [T]: a tis_cap bound was active (the dual clip, or decoupled's weight cap)
     weight: torch.Tensor | None  # [T] detached behaviour importance weight (decoupled only)
 
 
 @dataclass(frozen=True, slots=True)
 class NoCorrection:
-    """Plain PPO clip against the behaviour logprobs."""
+    """Plain PPO clip."""
 
     clip_low: float
     clip_high: float
     needs_prox: ClassVar[bool] = False
 
     def __call__(
-        self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor, prox_logp: torch.Tensor | None = None
+        self, log_ratio: torch.Tensor, adv: torch.Tensor, prox_logp: torch.Tensor | None, behaviour_logp: torch.Tensor
     ) -> Surrogate:
-        ratio = torch.exp(torch.clamp(logp - behaviour_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        ratio = torch.exp(log_ratio)
         surr = clipped_surrogate(ratio, adv, self.clip_low, self.clip_high)
         return Surrogate(
             surr=surr,
@@ -75,8 +92,7 @@ class NoCorrection:
 
 @dataclass(frozen=True, slots=True)
 class TruncatedIS:
-    """PPO clip plus dual clip: for A < 0 the unclipped branch r A grows without bound as r grows
-    (stale or mismatched samples); truncating r at `cap` there bounds each token's loss by cap |A|."""
+    """PPO clip plus dual clip at `cap`: the ratio is truncated at cap where A < 0."""
 
     clip_low: float
     clip_high: float
@@ -84,19 +100,19 @@ class TruncatedIS:
     needs_prox: ClassVar[bool] = False
 
     def __call__(
-        self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor, prox_logp: torch.Tensor | None = None
+        self, log_ratio: torch.Tensor, adv: torch.Tensor, prox_logp: torch.Tensor | None, behaviour_logp: torch.Tensor
     ) -> Surrogate:
-        s = NoCorrection(clip_low=self.clip_low, clip_high=self.clip_high)(logp, behaviour_logp, adv)
-        bound = self.cap * adv
-        truncated = (adv < 0) & (s.surr < bound)
-        return replace(s, surr=torch.where(truncated, bound, s.surr), truncated=truncated.detach())
+        s = NoCorrection(clip_low=self.clip_low, clip_high=self.clip_high)(log_ratio, adv, prox_logp, behaviour_logp)
+        surr, truncated = dual_clip(s.surr, adv, self.cap)
+        return replace(s, surr=surr, truncated=truncated)
 
 
 @dataclass(frozen=True, slots=True)
 class DecoupledPPO:
-    """AReaL's decoupled PPO: the trust region is around the proximal policy (the learner's own
-    logprobs before this update), not the stale behaviour policy; the behaviour -> proximal gap is
-    corrected by an importance weight, truncated at `cap` so one very stale token cannot dominate."""
+    """AReaL's decoupled PPO: the trust region is around the proximal policy (the learner's own logprobs before
+    this update, old_logprobs = recompute), not the stale behaviour policy, with the same dual clip as tis; the
+    behaviour -> proximal gap is corrected by an importance weight, truncated at `cap` so one very stale token
+    cannot dominate. Both log-ratios are bounded before exp (learner/train/ratio.py: LOG_RATIO_BOUND)."""
 
     clip_low: float
     clip_high: float
@@ -104,19 +120,18 @@ class DecoupledPPO:
     needs_prox: ClassVar[bool] = True
 
     def __call__(
-        self, logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor, prox_logp: torch.Tensor | None = None
+        self, log_ratio: torch.Tensor, adv: torch.Tensor, prox_logp: torch.Tensor | None, behaviour_logp: torch.Tensor
     ) -> Surrogate:
         assert prox_logp is not None, "decoupled PPO needs the proximal logprobs (learner, before this update)"
-        prox_logp = prox_logp.detach()
-        ratio = torch.exp(logp - prox_logp)
-        raw_weight = torch.exp(prox_logp - behaviour_logp)
+        ratio = torch.exp(log_ratio)
+        raw_weight = torch.exp(bounded(prox_logp.detach() - behaviour_logp))
         weight = torch.clamp(raw_weight, max=self.cap)
-        surr = weight * clipped_surrogate(ratio, adv, self.clip_low, self.clip_high)
+        surr, floored = dual_clip(clipped_surrogate(ratio, adv, self.clip_low, self.clip_high), adv, self.cap)
         return Surrogate(
-            surr=surr,
+            surr=weight * surr,
             ratio=ratio.detach(),
             clipped=_outside(ratio.detach(), self.clip_low, self.clip_high),
-            truncated=raw_weight > self.cap,
+            truncated=(raw_weight > self.cap) | floored,
             weight=weight,
         )
 
@@ -126,14 +141,15 @@ Correction = NoCorrection | TruncatedIS | DecoupledPPO
 
 @dataclass(kw_only=True, slots=True)
 class PolicyLossOut:
-    loss: torch.Tensor  # scalar: (-sum(surr) + kl_coef sum(kl) - entropy_coef sum(H)) / total_tokens
+    loss: torch.Tensor  # scalar: sum_t c_t (-surr_t + kl_coef kl_t - entropy_coef H_t), c_t from the aggregation
     clip_frac: torch.Tensor  # share of this micro-batch's tokens whose ratio was outside the clip range
-    ratio_mean: torch.Tensor  # mean ratio (against behaviour; against proximal for decoupled)
-    trunc_frac: torch.Tensor  # share of tokens where the tis_cap truncation was active
+    ratio_mean: torch.Tensor  # mean ratio (against the behaviour or the recomputed logprobs, as old_logprobs says)
+    trunc_frac: torch.Tensor  # share of tokens where a tis_cap bound was active
     iw_mean: torch.Tensor | None  # decoupled: mean behaviour importance weight (after the cap)
     iw_max: torch.Tensor | None  # decoupled: max of it
     kl_mean: torch.Tensor | None  # mean per-token KL estimate to the reference (when ref_logp is given)
     entropy_mean: torch.Tensor | None  # mean token entropy (when entropy is given)
+    masked_frac: torch.Tensor | None = None  # seq_mask_bound: share of tokens whose sample got no policy gradient
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +160,20 @@ class PolicyLoss:
     kl_coef: float
     kl: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     entropy_coef: float
+    anchor: Anchor = Behaviour()
+    ratio: Ratio = TokenRatio()
+    mask: SeqMask = NoMask()
+    aggregation: Aggregation = TokenMean()
 
     @property
     def needs_prox(self) -> bool:
         """The trainer must pass prox_logp: its own logprobs of the batch before this update, detached."""
-        return self.correction.needs_prox
+        return self.anchor.needs_prox or self.correction.needs_prox or self.mask.needs_prox
+
+    @property
+    def needs_segments(self) -> bool:
+        """The trainer must pass segments: which sample each token belongs to."""
+        return self.ratio.needs_segments or self.mask.needs_segments or self.aggregation.needs_segments
 
     @property
     def needs_reference(self) -> bool:
@@ -165,28 +190,34 @@ class PolicyLoss:
         logp: torch.Tensor,
         behaviour_logp: torch.Tensor,
         adv: torch.Tensor,
-        total_tokens: int,
+        norm: Denominators,
         *,
         prox_logp: torch.Tensor | None = None,
+        segments: Segments | None = None,
         ref_logp: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
     ) -> PolicyLossOut:
         assert logp.shape == behaviour_logp.shape == adv.shape, (logp.shape, behaviour_logp.shape, adv.shape)
-        assert total_tokens >= logp.numel(), f"total_tokens {total_tokens} < {logp.numel()} tokens in this micro-batch"
+        assert norm.tokens >= logp.numel(), f"{norm.tokens} mini-batch tokens < {logp.numel()} tokens in this micro-batch"
         assert ref_logp is not None or not self.needs_reference, "kl_coef > 0 needs ref_logp"
         assert entropy is not None or not self.needs_entropy, "entropy_coef > 0 needs entropy"
-        s = self.correction(logp, behaviour_logp, adv, prox_logp)
-        loss = -s.surr.sum() / total_tokens
+        assert segments is not None or not self.needs_segments, "a sequence-level term needs segments"
+        log_ratio = self.ratio(logp, self.anchor(behaviour_logp, prox_logp), segments)
+        s = self.correction(log_ratio, adv, prox_logp, behaviour_logp)
+        keep = self.mask(prox_logp, behaviour_logp, segments)
+        per_token = -(s.surr if keep is None else torch.where(keep, s.surr, 0.0))
         kl_mean = entropy_mean = None
         if ref_logp is not None:
             kl = self.kl(logp, ref_logp.detach())
             if self.kl_coef > 0:
-                loss = loss + self.kl_coef * kl.sum() / total_tokens
+                per_token = per_token + self.kl_coef * kl
             kl_mean = kl.detach().mean()
         if entropy is not None:
             if self.entropy_coef > 0:
-                loss = loss - self.entropy_coef * entropy.sum() / total_tokens
+                per_token = per_token - self.entropy_coef * entropy
             entropy_mean = entropy.detach().mean()
+        coef = self.aggregation(norm, segments)
+        loss = per_token.sum() * coef if isinstance(coef, float) else (per_token * coef).sum()
         w = s.weight
         return PolicyLossOut(
             loss=loss,
@@ -197,6 +228,7 @@ class PolicyLoss:
             iw_max=None if w is None else w.max(),
             kl_mean=kl_mean,
             entropy_mean=entropy_mean,
+            masked_frac=None if keep is None else (~keep).float().mean(),
         )
 
 
@@ -209,7 +241,8 @@ def make_correction(algo: AlgoConfig) -> Correction:
     return DecoupledPPO(clip_low=algo.clip_low, clip_high=algo.clip_high, cap=algo.tis_cap)
 
 
-def make_policy_loss(algo: AlgoConfig) -> PolicyLoss:
+def make_policy_loss(algo: AlgoConfig, max_tokens: int | None = None) -> PolicyLoss:
+    """`max_tokens`: rollout.max_tokens, which loss_agg = constant divides by."""
     # algo.kl_in_reward spends the KL in GAE's rewards instead (learner/train/kl.py): no KL term here, but the KL to
     # the reference is still measured when the trainer passes ref_logp.
     return PolicyLoss(
@@ -217,6 +250,10 @@ def make_policy_loss(algo: AlgoConfig) -> PolicyLoss:
         kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
         kl=make_kl(algo),
         entropy_coef=algo.entropy_coef,
+        anchor=Recompute() if algo.old_logprobs == "recompute" else Behaviour(),
+        ratio=SequenceRatio() if algo.ratio == "sequence" else TokenRatio(),
+        mask=SequenceMask(bound=algo.seq_mask_bound) if algo.seq_mask_bound > 0 else NoMask(),
+        aggregation=make_aggregation(algo, max_tokens),
     )
 
 

@@ -6,14 +6,14 @@ flat byte buffer (`scatter_shares`).
 
 A share is the rank's samples for every mini-batch of the update, in order (mini-batch 0's
 samples first, each mini-batch's micro-batches back to back), how many samples each
-micro-batch takes (learner/train/micro_batches.py decides), plus each mini-batch's token count
-over ALL ranks, which the token-level loss divides by. Advantages that need a whole group (GRPO) are computed on rank 0 before
-the split, so a group may span ranks.
+micro-batch takes (learner/train/micro_batches.py decides), plus each mini-batch's completion-token and sample
+counts over ALL ranks, which the loss divides by (learner/train/aggregation.py). Advantages that need a whole
+group (GRPO) are computed on rank 0 before the split, so a group may span ranks.
 
 Layout of the buffer (little endian):
     int64 header [samples, mini_batches, total token ids, completion tokens, version, max_staleness, save_step]
                                                                                    (samples = -1: stop)
-    int64  mini_batch_tokens [mini_batches], micro_counts [mini_batches]
+    int64  mini_batch_tokens [mini_batches], mini_batch_samples [mini_batches], micro_counts [mini_batches]
     int32  micro_sizes [sum of micro_counts]: samples of each micro-batch, in order
     int32  lengths [samples], prompt_lens [samples], versions [samples, 2]
     float32 advantages [samples], rewards [samples]
@@ -45,6 +45,8 @@ HEADER_BYTES = 7 * 8
 class Share:
     samples: list[Sample]
     mini_batch_tokens: list[int]  # completion tokens of each mini-batch summed over all DP ranks
+    # samples of each mini-batch with at least one completion token, over all DP ranks (seq_mean_*, constant)
+    mini_batch_samples: list[int] = field(default_factory=list)
     micro_sizes: list[list[int]] = field(default_factory=list)  # per mini-batch: samples of each micro-batch, in order
     version: int = 0  # the policy version the update starts from
     max_staleness: int = 0  # the bound in force for this update (it can change during a run)
@@ -64,6 +66,7 @@ def encode_share(share: Share) -> np.ndarray:
             dtype=np.int64,
         ),
         np.asarray(share.mini_batch_tokens, dtype=np.int64),
+        np.asarray(share.mini_batch_samples, dtype=np.int64),
         np.array([len(m) for m in share.micro_sizes], dtype=np.int64),
         np.array([n for m in share.micro_sizes for n in m], dtype=np.int32),
         np.array([len(x.tokens) for x in s], dtype=np.int32),
@@ -91,7 +94,7 @@ def decode_share(buf: np.ndarray) -> Share:
         offset += size
         return out
 
-    mb_tokens = take(np.int64, mbs)
+    mb_tokens, mb_samples = take(np.int64, mbs), take(np.int64, mbs)
     micro_counts = take(np.int64, mbs).tolist()
     flat_sizes = take(np.int32, sum(micro_counts)).tolist()
     bounds = np.cumsum([0, *micro_counts]).tolist()
@@ -119,6 +122,7 @@ def decode_share(buf: np.ndarray) -> Share:
     return Share(
         samples=samples,
         mini_batch_tokens=[int(x) for x in mb_tokens],
+        mini_batch_samples=[int(x) for x in mb_samples],
         micro_sizes=micro_sizes,
         version=version,
         max_staleness=k,
@@ -215,8 +219,10 @@ def split_rollout_batch(
         mini = shuffled[j * per_mb : (j + 1) * per_mb]
         cuts = cut_mini_batch([len(s.tokens) for s in mini], dp_size, token_budget, micro)
         tokens = sum(len(s.tokens) - s.prompt_len for s in mini)
+        scored = sum(len(s.tokens) > s.prompt_len for s in mini)
         for share, micro_batches in zip(shares, cuts, strict=True):
             share.samples += [mini[i] for mb in micro_batches for i in mb]
             share.mini_batch_tokens.append(tokens)
+            share.mini_batch_samples.append(scored)
             share.micro_sizes.append([len(mb) for mb in micro_batches])
     return shares

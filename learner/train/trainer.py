@@ -6,10 +6,11 @@
         DeepSpeed step: gradients averaged over the learner ranks, AdamW, ZeRO sharding
     The engines (policy, critic, reference) are built once by learner/train/engines.py.
 
-The ratio is taken against the behaviour logprobs the actor sampled with. The loss is
-token-level over the mini-batch's tokens on ALL ranks (`Share.mini_batch_tokens`);
-DeepSpeed averages gradients over the world, so each rank's loss is scaled by the world
-size to make the sum come out exactly as on one process.
+The ratio is taken against the behaviour logprobs the actor sampled with, or against the learner's own before
+the update (algo.old_logprobs = recompute: one no-grad pass in `_prepare` when S > 1). Each micro-batch's loss is
+its share of the mini-batch's (learner/train/aggregation.py), divided by counts over ALL ranks (`Share`); DeepSpeed
+averages gradients over the data-parallel replicas, so each rank's loss is scaled by dp_size to make the sum come
+out exactly as on one process.
 
 A mini-batch's micro-batches are cut by rank 0 (learner/train/micro_batches.py: a sample count or a
 token budget), so their number varies from update to update: the trainer tells DeepSpeed where
@@ -29,7 +30,8 @@ import torch.distributed as dist
 
 from learner import staleness as st
 from learner.train.advantages import make_advantage
-from learner.train.batch import TokenBatch
+from learner.train.aggregation import Denominators, Segments
+from learner.train.batch import Sample, TokenBatch
 from learner.train.distributed import Topology
 from learner.train.engines import UpdateLayout, build_engines
 from learner.train.kl import make_kl_reward
@@ -63,7 +65,7 @@ class Trainer:
     def __init__(self, cfg: Config, model: torch.nn.Module, topo: Topology, layout: UpdateLayout):
         self.cfg, self.topo, self.layout = cfg, topo, layout
         self.advantage = make_advantage(cfg.algo)
-        self.policy_loss = make_policy_loss(cfg.algo)
+        self.policy_loss = make_policy_loss(cfg.algo, cfg.rollout.max_tokens)
         self.kl_reward = make_kl_reward(cfg.algo)  # None unless algo.kl_in_reward (gae): then the loss has no KL term
         if self.advantage.needs_critic and topo.sp_size > 1:
             raise ConfigError(
@@ -115,7 +117,12 @@ class Trainer:
         extras = [[self._prepare(mb) for mb in mbs] for mbs in micro_batches]
         if self.cfg.algo.advantage_normalize:
             self._whiten_advantages([e for es in extras for e in es])
-        # The loss is a sum over ranks' tokens; DeepSpeed sums SP peers' gradients and averages the DP replicas.
+        # What each micro-batch's loss divides by: counts over all ranks, so that any cut gives the same loss.
+        norms = [[_denominators(share, j, c, self.topo.dp_size) for c in mini] for j, mini in enumerate(chunks)]
+        segments = [
+            [self._segments(c, mb) for c, mb in zip(mini, mbs, strict=True)] for mini, mbs in zip(chunks, micro_batches, strict=True)
+        ]
+        # The loss is a sum over ranks' micro-batches; DeepSpeed sums SP peers' gradients and averages the DP replicas.
         scale = float(self.topo.dp_size)
         self.engine.train()
         steps_before = self.engine.global_steps
@@ -125,12 +132,12 @@ class Trainer:
         for epoch in range(self.layout.ppo_epochs):
             for j in range(self.layout.mini_batches):
                 last = len(micro_batches[j]) - 1
-                for i, (mb, extra) in enumerate(zip(micro_batches[j], extras[j], strict=True)):
+                for i, (mb, extra, norm, seg) in enumerate(zip(micro_batches[j], extras[j], norms[j], segments[j], strict=True)):
                     # Every rank has as many micro-batches in mini-batch j (rank 0 cut them so): the boundaries agree.
                     for engine in (self.engine, self.critic):
                         if engine is not None:
                             engine.set_gradient_accumulation_boundary(i == last)
-                    row = self._micro_step(mb, extra, share.mini_batch_tokens[j], scale, first_step=epoch == 0 and j == 0)
+                    row = self._micro_step(mb, extra, norm, seg, scale, first_step=epoch == 0 and j == 0)
                     watch.note_loss(epoch * self.layout.mini_batches + j, row[_DEVICE_SUMS.index("loss")])
                     if critic_watch is not None:
                         critic_watch.note_loss(epoch * self.layout.mini_batches + j, row[_DEVICE_SUMS.index("loss/value")])
@@ -153,6 +160,8 @@ class Trainer:
         metrics = {k: total[k] / tokens for k in ("loss/kl", "loss/entropy", "loss/iw_mean", "loss/value_clip_frac") if tokens}
         if self.critic is not None:
             metrics["loss/value"] = total["loss/value"] / steps
+        if self.cfg.algo.seq_mask_bound > 0 and tokens:
+            metrics["loss/seq_masked_frac"] = total["loss/seq_masked_frac"] / tokens
         return UpdateStats(
             loss=total["loss"] / steps,
             samples=len(share.samples) * self.topo.dp_size,
@@ -234,8 +243,15 @@ class Trainer:
             top_p=r.top_p,
         )
 
+    def _segments(self, samples: list[Sample], mb: TokenBatch) -> Segments | None:
+        """Which sample each scored token is of, when a sequence-level term needs it (an SP rank: its range)."""
+        if not self.policy_loss.needs_segments:
+            return None
+        lengths = [len(s.tokens) - s.prompt_len for s in samples]
+        return Segments.of(lengths, mb.tokens if isinstance(mb, SequenceShard) else None).to(self.topo.device)
+
     def _micro_step(
-        self, mb: TokenBatch, extra: dict[str, torch.Tensor], total_tokens: int, scale: float, first_step: bool
+        self, mb: TokenBatch, extra: dict[str, torch.Tensor], norm: Denominators, seg: Segments | None, scale: float, first_step: bool
     ) -> torch.Tensor:
         self.engine.train()
         dev = self.topo.device
@@ -247,8 +263,9 @@ class Trainer:
             logp,
             behaviour,
             adv,
-            total_tokens,
+            norm,
             prox_logp=prox,
+            segments=seg,
             ref_logp=extra.get("ref"),
             entropy=entropy if self.policy_loss.needs_entropy else None,
         )
@@ -262,7 +279,12 @@ class Trainer:
             row.update(loss=out.loss.detach(), clipped=out.clip_frac * n)
         if first_step:
             row["mismatch"] = torch.where(mb.on_policy.to(dev), (logp.detach() - behaviour).abs(), 0.0).sum()
-        for key, value in (("loss/kl", out.kl_mean), ("loss/entropy", out.entropy_mean), ("loss/iw_mean", out.iw_mean)):
+        for key, value in (
+            ("loss/kl", out.kl_mean),
+            ("loss/entropy", out.entropy_mean),
+            ("loss/iw_mean", out.iw_mean),
+            ("loss/seq_masked_frac", out.masked_frac),
+        ):
             if value is not None and n:
                 row[key] = value * n
         if self.critic is not None:
@@ -273,7 +295,7 @@ class Trainer:
                 extra["old_values"],
                 extra["returns"],
                 self.cfg.algo.value_clip,
-                total_tokens,
+                norm.tokens,  # the value loss stays a token mean over the mini-batch, whatever loss_agg says
             )
             self.critic.backward(v.loss * scale, scale_wrt_gas=False)
             self.critic.step()
@@ -307,7 +329,29 @@ ADV_EPS = 1e-8  # the whitened advantages' std floor (a batch of equal advantage
 
 # Per-update sums over micro-batches and ranks (one all-reduce): counted on the host, then taken on the device.
 _HOST_SUMS = ("on_policy", "tokens", "useful", "processed", "padded")
-_DEVICE_SUMS = ("loss", "clipped", "mismatch", "loss/kl", "loss/entropy", "loss/iw_mean", "loss/value", "loss/value_clip_frac")
+_DEVICE_SUMS = (
+    "loss",
+    "clipped",
+    "mismatch",
+    "loss/kl",
+    "loss/entropy",
+    "loss/iw_mean",
+    "loss/seq_masked_frac",
+    "loss/value",
+    "loss/value_clip_frac",
+)
+
+
+def _denominators(share: Share, j: int, samples: list[Sample], dp_size: int) -> Denominators:
+    """Micro-batch `samples` of mini-batch j: the mini-batch's counts over all ranks (rank 0 put them in the share),
+    its own completion tokens (whole samples: an SP group's chunks share them), and the micro-batches of the
+    mini-batch over all DP ranks (each has as many: rank 0 cut them so, micro_batches.py)."""
+    return Denominators(
+        tokens=share.mini_batch_tokens[j],
+        samples=share.mini_batch_samples[j],
+        micro_tokens=sum(len(s.tokens) - s.prompt_len for s in samples),
+        micro_batches=len(share.micro_sizes[j]) * dp_size,
+    )
 
 
 def _to_device(mb: TokenBatch, device: torch.device) -> TokenBatch:

@@ -41,6 +41,7 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_groups(self.rollout, self.algo)
+        _check_sequence_terms(self.train, self.algo)
         need(self.actor.max_model_len > self.rollout.max_tokens, "actor.max_model_len", "must exceed rollout.max_tokens")
         _check_checkpoint_scores(self.checkpoint, self.eval)
         _check_auth(self.auth, self.hub)
@@ -56,6 +57,18 @@ def _check_groups(rollout: RolloutConfig, algo: AlgoConfig) -> None:
         "rollout.samples_per_prompt",
         f"algo.advantage = {algo.advantage} needs >= 2 per group (only gae works with 1)",
     )
+
+
+def _check_sequence_terms(train: TrainConfig, algo: AlgoConfig) -> None:
+    """A sequence-level ratio or mask needs all of a sample's log-ratios on one rank; sequence parallelism splits a
+    packed row, so a sample can straddle two ranks (learner/train/sequence_parallel.py)."""
+    for name, on in (("algo.ratio", algo.ratio == "sequence"), ("algo.seq_mask_bound", algo.seq_mask_bound > 0)):
+        need(
+            not on or train.sequence_parallel_size == 1,
+            name,
+            f"a per-sample mean over the sample's tokens does not run with train.sequence_parallel_size = "
+            f"{train.sequence_parallel_size} yet (a sample can straddle two ranks)",
+        )
 
 
 def _check_checkpoint_scores(checkpoint: CheckpointConfig, evaluation: EvalConfig) -> None:

@@ -14,6 +14,9 @@ from protocol.config.errors import check_choices, need, parse_cpus
 Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline", "gae"]
 GrpoStd = Literal["biased", "unbiased"]
 Correction = Literal["none", "tis", "decoupled"]
+OldLogprobs = Literal["behaviour", "recompute"]
+Ratio = Literal["token", "sequence"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "micro_batch_token_mean", "constant"]
 LrSchedule = Literal["constant", "linear", "cosine"]
 KlEstimator = Literal["k1", "k2", "k3"]
 
@@ -88,8 +91,18 @@ class AlgoConfig:
     lam: float = 1.0  # GAE lambda (advantage = gae only); 1.0 with gamma 1.0 is Open-Reasoner-Zero's setting
     clip_low: float = 0.2  # ratio floor 1 - clip_low
     clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO's clip-higher raises it)
-    correction: Correction = "tis"  # off-policy correction for stale samples: none | tis | decoupled
-    tis_cap: float = 2.0  # cap C of the truncated importance weight (tis, decoupled)
+    # what the PPO ratio is clipped against: behaviour (the engine's logprobs) | recompute (the learner's own, before
+    # the update: one extra no-grad forward when an update takes > 1 optimizer step; ORZ, verl, open-instruct)
+    old_logprobs: OldLogprobs = "behaviour"
+    ratio: Ratio = "token"  # token (PPO) | sequence (GSPO: a sample's geometric-mean ratio on all of its tokens)
+    # off-policy correction for stale samples: none | tis (dual clip: for A < 0, r capped at tis_cap) | decoupled
+    # (needs old_logprobs = recompute: dual clip plus the behaviour weight min(exp(prox - behaviour), tis_cap))
+    correction: Correction = "tis"
+    tis_cap: float = 2.0  # cap C > 1 of the dual clip (tis, decoupled) and of decoupled's behaviour weight
+    seq_mask_bound: float = 0.0  # drop a sample's policy gradient if |mean(learner - behaviour logprob)| > it (0 = off)
+    # how token terms add up (learner/train/aggregation.py): token_mean | seq_mean_token_mean | seq_mean_token_sum |
+    # micro_batch_token_mean (ORZ, SimpleRL: depends on the micro-batch cut) | constant (Dr. GRPO: / rollout.max_tokens)
+    loss_agg: LossAgg = "token_mean"
     kl_coef: float = 0.0  # weight of the KL penalty to the frozen reference model (0 = no reference model)
     kl_estimator: KlEstimator = "k3"  # k1 (log ratio) | k2 (half its square) | k3 (unbiased, non-negative)
     kl_clamp: float = 0.0  # bound each token's KL estimate to [-kl_clamp, kl_clamp] (0 = none; verl clamps k3 at 10)
@@ -108,7 +121,13 @@ class AlgoConfig:
         need(0 <= self.lam <= 1, "algo.lam", "must be in [0, 1]")
         need(0 < self.clip_low < 1, "algo.clip_low", "must be in (0, 1)")
         need(self.clip_high > 0, "algo.clip_high", "must be > 0")
-        need(self.tis_cap >= 1, "algo.tis_cap", "must be >= 1 (a cap below 1 would shrink on-policy weights)")
+        need(self.tis_cap > 1, "algo.tis_cap", "must be > 1 (at 1 the dual clip would floor every A < 0 token at A itself)")
+        need(
+            self.correction != "decoupled" or self.old_logprobs == "recompute",
+            "algo.correction",
+            "decoupled clips against the learner's recomputed logprobs: set algo.old_logprobs = recompute",
+        )
+        need(self.seq_mask_bound >= 0, "algo.seq_mask_bound", "must be >= 0 (0 = off)")
         need(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0")
         need(self.kl_clamp >= 0, "algo.kl_clamp", "must be >= 0 (0 = no clamp)")
         need(

@@ -60,6 +60,7 @@ def test_ppo_critic_kl_entropy_decoupled_two_ranks_match_one(tiny_model_dir, tmp
         "algo.kl_coef=0.05",
         "algo.entropy_coef=0.01",
         "algo.correction=decoupled",
+        "algo.old_logprobs=recompute",
         "algo.critic_lr=1e-3",
         "train.zero_stage=2",
     )
@@ -156,3 +157,38 @@ def test_advantage_normalize_whitens_over_all_ranks(tiny_model_dir, tmp_path):
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-6)
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
     assert one["grad_norms"][0] != pytest.approx(plain["grad_norms"][0], rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [
+        ("algo.loss_agg=constant",),
+        ("algo.loss_agg=seq_mean_token_mean", "algo.ratio=sequence", "algo.old_logprobs=recompute", "algo.seq_mask_bound=0.6"),
+    ],
+    ids=["dr_grpo_constant", "gspo_seq_mask"],
+)
+def test_split_free_loss_agg_two_ranks_match_one(tiny_model_dir, tmp_path, algo):
+    """Dr. GRPO's constant denominator, and GSPO (sequence ratio, per-sample mean) with off-policy sequence masking:
+    the loss divides by the mini-batch's samples over all ranks (rank 0 puts the count in each share), so 2 ranks
+    with token-budget micro-batches of varying size train exactly as 1 rank with 4-sample micro-batches."""
+    one = run_ranks(str(tiny_model_dir), 1, tmp_path, "train.zero_stage=2", *algo)
+    two = run_ranks(str(tiny_model_dir), 2, tmp_path, "train.zero_stage=2", *algo, *BUDGET)
+    assert len({tuple(m) for update in two["micro_sizes"] for m in update}) > 1, two["micro_sizes"]
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-6)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+    assert two["weight_abs"] == pytest.approx(one["weight_abs"], rel=1e-6)
+    if "algo.seq_mask_bound=0.6" in algo:
+        masked = [e["loss/seq_masked_frac"] for e in one["extras"]]
+        assert [e["loss/seq_masked_frac"] for e in two["extras"]] == pytest.approx(masked)
+
+
+def test_micro_batch_token_mean_two_ranks_match_one_on_the_same_micro_batches(one_rank, tiny_model_dir, tmp_path):
+    """ORZ's and SimpleRL's mean over micro-batches depends on the cut by definition; with the same micro-batches
+    (4 consecutive samples each, on one rank or spread over two) it trains the same, and differently from the token
+    mean of the same data (the micro-batches hold different token counts)."""
+    agg = ("train.zero_stage=3", "algo.loss_agg=micro_batch_token_mean")
+    one = run_ranks(str(tiny_model_dir), 1, tmp_path, *agg)
+    two = run_ranks(str(tiny_model_dir), 2, tmp_path, *agg)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-6)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+    assert one["grad_norms"][0] != pytest.approx(one_rank["grad_norms"][0], rel=1e-3)

@@ -120,12 +120,13 @@ def _samples(shapes):
 
 
 def _loss(model, kwargs, batch, total_tokens):
+    from learner.train.aggregation import Denominators
     from learner.train.batch import token_logprobs
     from learner.train.losses import make_policy_loss
     from protocol.config import AlgoConfig
 
     logp = token_logprobs(model(**kwargs).logits, batch, temperature=0.7)
-    return logp, make_policy_loss(AlgoConfig())(logp, batch.behaviour_logp, batch.token_adv, total_tokens).loss
+    return logp, make_policy_loss(AlgoConfig())(logp, batch.behaviour_logp, batch.token_adv, Denominators(tokens=total_tokens)).loss
 
 
 def _model_worker(rank, world, port):

@@ -6,6 +6,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.masking_utils import create_causal_mask
 
+from learner.train.aggregation import Denominators
 from learner.train.attention.hf import VARLEN
 from learner.train.batch import Sample, make_micro_batch, token_logprobs
 from learner.train.losses import make_policy_loss
@@ -50,7 +51,7 @@ def make_samples(shapes=SHAPES, seed=0, version=3) -> list[Sample]:
 
 def loss_and_grads(model, logits, mb, total_tokens):
     logp = token_logprobs(logits, mb, temperature=0.7)
-    loss = make_policy_loss(AlgoConfig())(logp, mb.behaviour_logp, mb.token_adv, total_tokens).loss
+    loss = make_policy_loss(AlgoConfig())(logp, mb.behaviour_logp, mb.token_adv, Denominators(tokens=total_tokens)).loss
     model.zero_grad()
     loss.backward()
     return logp.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -126,6 +126,7 @@ class Trainer:
         scale = float(self.topo.dp_size)
         self.engine.train()
         steps_before = self.engine.global_steps
+        lr = float(self.engine.get_lr()[0])  # the update's first optimizer step's (learner/train/lr_schedule.py)
         watch = StepWatch(self.engine, steps, self.topo.device)
         critic_watch = StepWatch(self.critic, steps, self.topo.device, "critic") if self.critic is not None else None
         sums = torch.zeros(len(_DEVICE_SUMS), dtype=torch.float64, device=self.topo.device)
@@ -158,6 +159,7 @@ class Trainer:
         tokens, on_policy = total["tokens"], total["on_policy"]
         grad_norm = self.engine.get_global_grad_norm()
         metrics = {k: total[k] / tokens for k in ("loss/kl", "loss/entropy", "loss/iw_mean", "loss/value_clip_frac") if tokens}
+        metrics["train/lr"] = lr
         if self.critic is not None:
             metrics["loss/value"] = total["loss/value"] / steps
         if self.cfg.algo.seq_mask_bound > 0 and tokens:

@@ -95,6 +95,7 @@ def test_a_behaviour_logprob_of_minus_200_no_longer_skips_the_update(zero2):
     stats = trainer.update(one_share(cfg, trainer, edit=wrong))
     assert stats.failed_steps == [] and stats.applied_steps == STEPS and trainer.engine.skipped_steps == skipped
     assert torch.isfinite(torch.tensor([stats.loss, stats.grad_norm])).all() and torch.isfinite(weights(trainer)).all()
+    assert stats.extra["train/lr"] == pytest.approx(cfg.train.lr)  # warmup 0, constant: the peak from the first step
 
 
 @pytest.mark.parametrize("poison, failed", [({1}, [1]), ({0, 1}, [0, 1])], ids=["second step", "every step"])

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from protocol.budget import completion_budget
 from protocol.config import Config
 from protocol.messages import WeightSync
 from protocol.worker_rpc import ReceiveWeights, WeightsReceived, arrived
@@ -153,7 +154,7 @@ class Engine:
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            max_tokens=self.cfg.rollout.max_tokens,
+            max_tokens=completion_budget(len(prompt_tokens), self.cfg.rollout.max_tokens, self.cfg.actor.max_model_len),
             logprobs=0,
             seed=seed,
             output_kind=RequestOutputKind.FINAL_ONLY,

@@ -19,7 +19,8 @@ Built in (`actors.rewards:NAME`):
   ...", else the last number (Qwen2.5-Math's answer extraction), with the answer's value (math-verify).
 - `orz`: Open-Reasoner-Zero's rule: right answer in `<answer>...\\boxed{}...</answer>` and the response stopped.
 - `by_dataset`: open-instruct's verifier for the row's metadata["dataset"] (gsm8k, math, ifeval), 0..1.
-- `open_instruct`: 10 x by_dataset, -10 for a response that did not stop (Tulu 3 RLVR); `OpenInstructReward`
+- `open_instruct`: 10 x by_dataset, -10 for a response that did not stop (Tulu 3 RLVR); `tulu3_as_run` the same
+  with the IFEval checks as that run had them (the Tulu 3 recipe's); `OpenInstructReward`
   builds other scales, penalties and verifier tables (`ifeval_as_run`: the Tulu 3 run's two IFEval bugs).
 """
 
@@ -37,7 +38,7 @@ from actors.rewards.base import (
 from actors.rewards.builtin import exact_match, math_answer, math_verify, orz
 from actors.rewards.ifeval import ifeval, ifeval_as_run
 from actors.rewards.simplerl import simplerl_answer, simplerl_math
-from actors.rewards.verifiers import VERIFIERS, OpenInstructReward, by_dataset, open_instruct
+from actors.rewards.verifiers import VERIFIERS, OpenInstructReward, by_dataset, open_instruct, tulu3_as_run
 
 __all__ = [
     "GroupScores",
@@ -56,6 +57,7 @@ __all__ = [
     "math_answer",
     "math_verify",
     "open_instruct",
+    "tulu3_as_run",
     "orz",
     "parse_metadata",
     "score_one",

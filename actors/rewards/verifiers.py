@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 from actors.rewards.base import RewardContext
 from actors.rewards.builtin import equivalent, last_boxed
-from actors.rewards.ifeval import ifeval
+from actors.rewards.ifeval import ifeval, ifeval_as_run
 
 
 def gsm8k(response: str, answer: str) -> float:
@@ -98,3 +98,5 @@ class OpenInstructReward:
 
 # Tulu-3-8B RLVR as docs/tulu3.md runs it: verification_reward 10, --non_stop_penalty --penalty_reward_value -10.0.
 open_instruct = OpenInstructReward()
+# The same with the IFEval checks as the Tulu 3 run had them (its two bugs kept): the Tulu 3 recipe's reward.
+tulu3_as_run = OpenInstructReward(verifiers=VERIFIERS | {"ifeval": ifeval_as_run})

@@ -3,12 +3,15 @@
     data.path --read (learner/data/sources.py), render (learner/data/rows.py)--> rows
         --split by data.val_fraction (seeded, by prompt text)--> train | val
     data.test_path --read, render--> test
-    each set: tokenize, drop prompts over the budget (actor.max_model_len - rollout.max_tokens), logged
+    each set: tokenize; a prompt over the budget (data.max_prompt_tokens, by default actor.max_model_len -
+        rollout.max_tokens) is dropped, or truncated to its first tokens (data.long_prompts); either is logged
 
 Only the training split becomes the ledger's PromptSet; the validation and test sets are evaluated by the
 actors and never trained on. The split goes by distinct rendered prompt text, so a prompt repeated in the
-file cannot sit on both sides. A prompt longer than the budget could not generate rollout.max_tokens
-tokens inside the engine's context, so it is dropped at load, never granted; none left is an error.
+file cannot sit on both sides. By default a prompt longer than the budget could not generate rollout.max_tokens
+tokens inside the engine's context, so it is dropped at load, never granted; none left is an error. A truncated
+prompt keeps its first tokens (Open-Reasoner-Zero's tokenizer call with truncation, right side), and its text is
+those tokens decoded, so the reward and samples.jsonl see what the model saw.
 Errors name the file, the row (0-based) and the column.
 """
 
@@ -37,27 +40,34 @@ class Prompt:
 
 
 class PromptSet:
-    """Rows tokenized; with `max_tokens` > 0 the longer ones are dropped (counted in `dropped`)."""
+    """Rows tokenized; with `max_tokens` > 0 the longer ones are dropped (counted in `dropped`), or with `truncate`
+    cut to their first `max_tokens` tokens (counted in `truncated`)."""
 
-    def __init__(self, items: Sequence[Item | Row], tokenizer, name: str = "data", max_tokens: int = 0):
+    def __init__(self, items: Sequence[Item | Row], tokenizer, name: str = "data", max_tokens: int = 0, truncate: bool = False):
         if not items:
             raise ConfigError(f"{name}: the prompt set is empty")
         texts = [it[0] for it in items]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         self.items: list[Prompt] = []
-        self.dropped = 0
+        self.dropped = self.truncated = 0
         for i, (item, tokens) in enumerate(zip(items, ids, strict=True)):
             if not tokens:
                 raise ConfigError(f"{name}: prompt {i} ({item[0][:40]!r}) tokenizes to no tokens")
+            text = item[0]
             if max_tokens and len(tokens) > max_tokens:
-                self.dropped += 1
-                continue
+                if not truncate:
+                    self.dropped += 1
+                    continue
+                self.truncated += 1
+                tokens = tokens[:max_tokens]
+                text = tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             metadata = item[2] if len(item) > 2 else "{}"
-            self.items.append(Prompt(item[0], item[1], np.asarray(tokens, dtype=np.int32), metadata))
+            self.items.append(Prompt(text, item[1], np.asarray(tokens, dtype=np.int32), metadata))
         if not self.items:
             raise ConfigError(
-                f"{name}: all {len(items)} prompts are longer than {max_tokens} tokens, the budget actor.max_model_len - "
-                "rollout.max_tokens: raise actor.max_model_len or lower rollout.max_tokens"
+                f"{name}: all {len(items)} prompts are longer than {max_tokens} tokens, the budget data.max_prompt_tokens "
+                "(0: actor.max_model_len - rollout.max_tokens): raise it or actor.max_model_len, lower rollout.max_tokens, "
+                "or set data.long_prompts = 'truncate'"
             )
 
     def __len__(self) -> int:
@@ -111,18 +121,22 @@ def load_datasets(cfg: Config, tokenizer) -> Datasets:
     if d.test_path:
         test = read_rows(d.test_path, "data.test_path", d, tokenizer, d.test_split)
     train, val = split_holdout(items, d.val_fraction, cfg.run.seed)
-    budget = cfg.actor.max_model_len - cfg.rollout.max_tokens
+    budget, cut = cfg.prompt_budget, d.long_prompts == "truncate"
     data = Datasets(
-        train=PromptSet(train, tokenizer, "data.path", budget),
-        val=PromptSet(val, tokenizer, "data.val_fraction", budget) if val else None,
-        test=PromptSet(test, tokenizer, "data.test_path", budget) if test else None,
+        train=PromptSet(train, tokenizer, "data.path", budget, cut),
+        val=PromptSet(val, tokenizer, "data.val_fraction", budget, cut) if val else None,
+        test=PromptSet(test, tokenizer, "data.test_path", budget, cut) if test else None,
     )
     sets = {"train": data.train, **data.eval_sets()}
     log = get_logger()
     dropped = {name: s.dropped for name, s in sets.items() if s.dropped}
-    if dropped:
+    truncated = {name: s.truncated for name, s in sets.items() if s.truncated}
+    if dropped or truncated:
         log.warning(
-            "data.too_long", dropped=dropped, budget_tokens=budget, why="prompt longer than actor.max_model_len - rollout.max_tokens"
+            "data.too_long",
+            **({"dropped": dropped} if dropped else {"truncated": truncated}),
+            budget_tokens=budget,
+            why="prompt longer than data.max_prompt_tokens (0: actor.max_model_len - rollout.max_tokens)",
         )
     log.info("data.loaded", **{name: len(s) for name, s in sets.items()}, example=data.train[0].text[:300])
     return data

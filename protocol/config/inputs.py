@@ -12,6 +12,7 @@ Dtype = Literal["float32", "bfloat16"]
 DataTask = Literal["addition", "file"]
 DataFormat = Literal["plain", "orz", "verl", "open_instruct"]  # learner/data/rows.py's FORMATS
 DATA_FORMATS: tuple[DataFormat, ...] = typing.get_args(DataFormat)
+LongPrompts = Literal["drop", "truncate"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,6 +52,10 @@ class DataConfig:
     test_split: str = "test"  # split of a hub dataset at data.test_path
     epochs: int = 1000  # passes over the prompt set (the run stops at train.total_steps first)
     num_prompts: int = 0  # size of the prompt set when the file is not at hand, for `fleetrl plan` (0 = unknown)
+    # prompt tokens allowed; 0 = actor.max_model_len - rollout.max_tokens, so every prompt can generate max_tokens.
+    # Above that, a completion ends where prompt + completion reach actor.max_model_len (finish reason "length").
+    max_prompt_tokens: int = 0
+    long_prompts: LongPrompts = "drop"  # a prompt over max_prompt_tokens: drop (logged, counted) | truncate (keep its first tokens)
 
     def __post_init__(self) -> None:
         check_choices(self, "data")
@@ -65,6 +70,7 @@ class DataConfig:
         need(0 <= self.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
         need(self.epochs >= 1, "data.epochs", "must be >= 1")
         need(self.num_prompts >= 0, "data.num_prompts", "must be >= 0 (0 = unknown)")
+        need(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", "must be >= 0 (0 = actor.max_model_len - rollout.max_tokens)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -43,8 +43,18 @@ class Config:
         _check_groups(self.rollout, self.algo)
         _check_sequence_terms(self.train, self.algo)
         need(self.actor.max_model_len > self.rollout.max_tokens, "actor.max_model_len", "must exceed rollout.max_tokens")
+        need(
+            self.data.max_prompt_tokens < self.actor.max_model_len,
+            "data.max_prompt_tokens",
+            f"{self.data.max_prompt_tokens} leaves no room to generate in actor.max_model_len {self.actor.max_model_len}",
+        )
         _check_checkpoint_scores(self.checkpoint, self.eval)
         _check_auth(self.auth, self.hub)
+
+    @property
+    def prompt_budget(self) -> int:
+        """Prompt tokens a prompt may have (data.max_prompt_tokens, or all that leaves rollout.max_tokens to generate)."""
+        return self.data.max_prompt_tokens or self.actor.max_model_len - self.rollout.max_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -263,3 +263,30 @@ def test_sampling_config_fields():
     ):
         with pytest.raises(ConfigError, match=f"^{field}: "):
             load_config(None, [override])
+
+
+@pytest.mark.engine
+@pytest.mark.vllm
+def test_a_long_prompt_generates_what_the_context_leaves(engine_setup):
+    """rollout.max_tokens 12 in a 32-token context: a 27-token prompt (within data.max_prompt_tokens, over the default
+    budget of 20) gets 5 tokens at most, ended as "length" there, which the hub's length check admits
+    (protocol/budget.py): Open-Reasoner-Zero's 2048-token prompts in 8192 with 8000 to generate."""
+    from conftest import rollout_group
+
+    from actors.engine import Sampling
+    from learner.hub.core.checks import GroupLimits, check_group
+    from protocol.budget import completion_budget
+    from protocol.config import load_config
+
+    engine, _, _, loop = engine_setup
+    prompt = np.resize(PROMPT, 27).astype(np.int32)
+    assert completion_budget(len(prompt), 12, 32) == 5
+    completions = loop.run_until_complete(engine.generate_group(prompt, 16, seed=3, sampling=Sampling(temperature=1.0)))
+    lengths = [len(c.token_ids) for c in completions]
+    assert max(lengths) == 5 and all(c.finish_reason == "length" for c in completions if len(c.token_ids) == 5)
+    group = rollout_group(n=16, prompt_tokens=prompt)
+    group.lengths = np.asarray(lengths, np.int32)
+    group.completion_tokens = np.concatenate([c.token_ids for c in completions])
+    group.behaviour_logprobs = np.concatenate([c.logprobs for c in completions])
+    limits = GroupLimits.of(load_config(None, ["rollout.max_tokens=12", "actor.max_model_len=32", "data.max_prompt_tokens=27"]), 20)
+    assert check_group(group, prompt, limits) is None

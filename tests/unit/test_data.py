@@ -115,8 +115,33 @@ def test_prompts_over_the_budget_are_dropped_and_counted(tmp_path):
     too_long = [e for e in logs if e["event"] == "data.too_long"]
     assert len(too_long) == 1 and too_long[0]["dropped"] == {"train": 1} and too_long[0]["budget_tokens"] == 60
     assert any(e["event"] == "data.loaded" and e["train"] == 4 for e in logs)
-    with pytest.raises(ConfigError, match=r"data.path: all 5 prompts are longer than 3 tokens, the budget actor.max_model_len"):
+    with pytest.raises(
+        ConfigError, match=r"data.path: all 5 prompts are longer than 3 tokens, the budget data.max_prompt_tokens \(0: actor.max_model_len"
+    ):
         load_datasets(load_config(None, ["data.task=file", f"data.path={path}", "actor.max_model_len=8", "rollout.max_tokens=5"]), TOK)
+
+
+def test_long_prompts_are_truncated_to_max_prompt_tokens_or_dropped(tmp_path):
+    """Open-Reasoner-Zero's shape: 2048-token prompts in an 8192 context with 8000 to generate (here 6 in 10 with 8):
+    data.max_prompt_tokens admits prompts the default budget (max_model_len - max_tokens = 2) would drop, and
+    data.long_prompts = truncate keeps a longer one's first tokens, its text decoded from them."""
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "answer": "1"} for p in ("12", "1234", "12345678")])
+    base = ["data.task=file", f"data.path={path}", "rollout.max_tokens=8", "actor.max_model_len=10"]
+    default = load_datasets(load_config(None, base), TOK)
+    assert [p.text for p in default.train.items] == ["12"] and default.train.dropped == 2
+    dropped = load_datasets(load_config(None, [*base, "data.max_prompt_tokens=6"]), TOK)
+    assert [p.text for p in dropped.train.items] == ["12", "1234"] and dropped.train.dropped == 1
+    with capture_logs() as logs:
+        cut = load_datasets(load_config(None, [*base, "data.max_prompt_tokens=6", "data.long_prompts=truncate"]), TOK)
+    assert [p.text for p in cut.train.items] == ["12", "1234", "123456"]
+    assert [len(p.tokens) for p in cut.train.items] == [2, 4, 6] and cut.train.truncated == 1 and cut.train.dropped == 0
+    assert list(cut.train.items[2].tokens) == list(TOK("12345678", add_special_tokens=False)["input_ids"][:6])
+    (warning,) = [e for e in logs if e["event"] == "data.too_long"]
+    assert warning["truncated"] == {"train": 1} and warning["budget_tokens"] == 6
+    with pytest.raises(ConfigError, match=r"^data.max_prompt_tokens: 10 leaves no room to generate in actor.max_model_len 10$"):
+        load_config(None, [*base, "data.max_prompt_tokens=10"])
+    with pytest.raises(ConfigError, match=r"^data.long_prompts: 'cut' must be drop or truncate$"):
+        load_config(None, [*base, "data.long_prompts=cut"])
 
 
 def test_split_is_deterministic_disjoint_and_sized():

@@ -109,6 +109,26 @@ def test_a_bad_group_is_refused_counted_requeued_and_explained(prompts, row):
     assert not errors(state.handle(A, group_for(again[0]), 2.0)) and len(state.buffer) == 1  # the honest group goes in
 
 
+def test_a_completion_may_fill_the_context_a_long_prompt_leaves_and_no_more(prompts):
+    """Open-Reasoner-Zero's shape: prompts up to data.max_prompt_tokens in a context that cannot hold one of them plus
+    rollout.max_tokens; a completion may run to the context's end (the engine stops it there), not past it."""
+    state = hub(prompts, "rollout.max_tokens=64", "actor.max_model_len=66", "data.max_prompt_tokens=10")
+    (g,) = grant(state)
+    budget = 66 - len(g.prompt_tokens)
+    assert budget < 64
+    for length, refused in ((budget + 1, True), (budget, False)):
+        group = group_for(g)
+        group.lengths = np.asarray([length, 1, 1], np.int32)
+        group.completion_tokens = np.ones(length + 2, np.int32)
+        group.behaviour_logprobs = np.full(length + 2, -0.5, np.float32)
+        (err,) = errors(state.handle(A, group, 1.0)) or [None]
+        if refused:
+            assert err is not None and f"outside 1..{budget} (rollout.max_tokens 64, actor.max_model_len 66 - prompt" in err.detail
+            (g,) = grant(state, now=1.5)
+        else:
+            assert err is None and len(state.buffer) == 1
+
+
 def test_reward_parts_are_metrics_and_any_finite_value_is_taken(prompts):
     state = hub(prompts)
     (g,) = grant(state)

@@ -145,6 +145,8 @@ def test_the_runs_two_bugs_are_fixed_and_replayable():
     replay = OpenInstructReward(verifiers=VERIFIERS | {"ifeval": ifeval_as_run})
     row = {"dataset": "ifeval"}
     assert replay(RewardContext("no placeholders", "", placeholders, row, "stop")) == (10.0, {"verified": 1.0})
+    as_run = load_reward("actors.rewards:tulu3_as_run")  # the Tulu 3 recipe's
+    assert as_run(RewardContext("no placeholders", "", placeholders, row, "stop")) == (10.0, {"verified": 1.0})
     assert open_instruct(RewardContext("no placeholders", "", placeholders, row, "stop")) == (0.0, {"verified": 0.0})
 
 

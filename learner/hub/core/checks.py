@@ -7,8 +7,8 @@ the values a well-formed group from a broken or hostile actor can still carry, e
 silently corrupted a learner before it was checked. Reasons (the hub counts each as hub/rejected_<reason>):
 
     prompt   its prompt tokens are not the ones the hub granted: the hub never trains a prompt it did not hand out
-    length   a completion of 0 tokens or of more than rollout.max_tokens: the engine produces 1..max_tokens
-             (even an immediate end-of-sequence is one token)
+    length   a completion of 0 tokens, or of more than rollout.max_tokens or than the context leaves after the prompt
+             (protocol/budget.py): the engine produces 1..budget (even an immediate end-of-sequence is one token)
     token    a completion token id outside [0, vocabulary): the embedding has no such row (an IndexError on a
              CPU, a device-side assert on a GPU, which poisons the CUDA context for good)
     logprob  a behaviour logprob above 0, or below rollout.min_logprob (see there: a sampled token that
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocol import messages as m
+from protocol.budget import completion_budget
 from protocol.config import Config
 
 
@@ -39,6 +40,7 @@ from protocol.config import Config
 class GroupLimits:
     vocab_size: int | None  # rows of the model's embedding; None: not checked (a hub that trains nothing: tests, benches)
     max_tokens: int  # rollout.max_tokens
+    max_model_len: int  # actor.max_model_len: prompt + completion
     min_logprob: float  # rollout.min_logprob
     reward_bound: float  # rollout.reward_bound
 
@@ -47,6 +49,7 @@ class GroupLimits:
         return cls(
             vocab_size=vocab_size,
             max_tokens=cfg.rollout.max_tokens,
+            max_model_len=cfg.actor.max_model_len,
             min_logprob=cfg.rollout.min_logprob,
             reward_bound=cfg.rollout.reward_bound,
         )
@@ -65,9 +68,12 @@ def check_group(group: m.RolloutGroup, granted: np.ndarray, limits: GroupLimits)
             "prompt", f"prompt_tokens ({len(group.prompt_tokens)} tokens) differ from the granted prompt ({len(granted)} tokens)"
         )
     lengths = group.lengths
-    if lengths.min() < 1 or lengths.max() > limits.max_tokens:
+    budget = completion_budget(len(granted), limits.max_tokens, limits.max_model_len)
+    if lengths.min() < 1 or lengths.max() > budget:
         return Refusal(
-            "length", f"completion lengths {int(lengths.min())}..{int(lengths.max())} outside 1..{limits.max_tokens} (rollout.max_tokens)"
+            "length",
+            f"completion lengths {int(lengths.min())}..{int(lengths.max())} outside 1..{budget} "
+            f"(rollout.max_tokens {limits.max_tokens}, actor.max_model_len {limits.max_model_len} - prompt {len(granted)})",
         )
     tokens = group.completion_tokens
     if limits.vocab_size is not None and (tokens.min() < 0 or tokens.max() >= limits.vocab_size):

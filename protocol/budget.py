@@ -1,0 +1,15 @@
+"""How many tokens one completion may have: the rule the actor asks the engine for and the hub checks.
+
+    completion_budget(prompt_len, rollout.max_tokens, actor.max_model_len) = min(max_tokens, max_model_len - prompt_len)
+
+A prompt within data's default budget (actor.max_model_len - rollout.max_tokens) always gets rollout.max_tokens.
+A longer one (data.max_prompt_tokens raised, as Open-Reasoner-Zero's 2048-token prompts in an 8192 context) gets
+what the context leaves, and the engine reports such a completion's end as "length", as it does at max_tokens.
+"""
+
+from __future__ import annotations
+
+
+def completion_budget(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
+    """Tokens a completion of a `prompt_len`-token prompt may have; at least 1 for any prompt the config admits."""
+    return max(0, min(max_tokens, max_model_len - prompt_len))

@@ -16,8 +16,9 @@ from typing import ClassVar
 import numpy as np
 
 # 2: positional header (protocol/codec.py); 3: WorkRequest.max_prompts is a capacity; 4: Register.devices,
-# WeightSync.ranks and WeightSync.backend (weight groups on GPUs); 6: a map header again, naming every field and array
-PROTOCOL_VERSION = 6
+# WeightSync.ranks and WeightSync.backend (weight groups on GPUs); 6: a map header again, naming every field and array;
+# 7: RolloutGroup.loss_mask (multi-turn episodes: observation tokens are context, not trained)
+PROTOCOL_VERSION = 7
 WEIGHT_BACKENDS = ("nccl", "gloo")  # a weight group's torch.distributed backend; protocol/weights.py picks one per epoch
 MAX_RANKS_PER_ACTOR = 64  # weight-group ranks one registration may claim: a peer cannot grow the group without bound
 FINISH_REASONS = ("stop", "length")  # a trained completion's: it ended (EOS, stop token or string) or ran out of room
@@ -121,6 +122,7 @@ class RolloutGroup(Message):
         "behaviour_logprobs": ("float32", 1),
         "rewards": ("float32", 1),
         "reward_parts": ("float32", 1),
+        "loss_mask": ("uint8", 1),
     }
     actor_id: str
     prompt_id: int
@@ -139,6 +141,21 @@ class RolloutGroup(Message):
     reward_parts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     reward_part_names: list[str] = field(default_factory=list)  # the k names, the same for every completion
     reward_errors: int = 0  # completions whose reward raised or ran out of time: scored 0
+    # uint8 [sum(lengths)]: 1 for the model's tokens (sampled, with behaviour logprobs), 0 for an environment's
+    # observation tokens (context only; their logprob slots hold 0). Empty: every token is the model's (one turn).
+    loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+
+    def model_tokens(self) -> np.ndarray:
+        """bool [sum(lengths)]: which completion tokens the model sampled (the ones trained on)."""
+        if not len(self.loss_mask):
+            return np.ones(len(self.completion_tokens), dtype=bool)
+        return self.loss_mask.astype(bool)
+
+    def model_token_counts(self) -> np.ndarray:
+        """int64 [n]: the model's tokens in each completion."""
+        if not len(self.loss_mask):
+            return self.lengths.astype(np.int64)
+        return np.add.reduceat(self.loss_mask.astype(np.int64), np.concatenate([[0], np.cumsum(self.lengths)[:-1]]))
 
     def check(self) -> None:
         n = len(self.lengths)
@@ -165,6 +182,13 @@ class RolloutGroup(Message):
             raise ProtocolError("RolloutGroup.reward_parts: non-finite value")
         if not 0 <= self.reward_errors <= n:
             raise ProtocolError(f"RolloutGroup.reward_errors: {self.reward_errors} not in [0, {n}]")
+        if len(self.loss_mask):
+            if len(self.loss_mask) != total:
+                raise ProtocolError(f"RolloutGroup.loss_mask: {len(self.loss_mask)} values, lengths sum to {total}")
+            if self.loss_mask.max() > 1:
+                raise ProtocolError(f"RolloutGroup.loss_mask: value {int(self.loss_mask.max())}, only 0 and 1")
+            if (self.lengths > 0).all() and self.model_token_counts().min() == 0:
+                raise ProtocolError("RolloutGroup.loss_mask: a completion with no model token (nothing to train)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -32,7 +32,7 @@ class PackedBatch:
     token_adv: torch.Tensor  # float32 [T]
     on_policy: torch.Tensor  # bool [T]
     rewards: torch.Tensor  # float32 [S]: each sample's reward (GAE puts it on the last token)
-    lengths: torch.Tensor  # int64 [S]: completion tokens of each sample
+    lengths: torch.Tensor  # int64 [S]: scored tokens of each sample
 
     def model_kwargs(self) -> dict:
         """Forward kwargs for a model whose attention is "fleetrl_varlen" (names are transformers' own)."""
@@ -69,9 +69,10 @@ def pack_samples(samples: list[Sample], version: int) -> PackedBatch:
     positions = torch.cat([torch.arange(n) for n in lengths])
     cols, behaviour, adv, on_policy = [], [], [], []
     for s, start in zip(samples, starts[:-1].tolist(), strict=True):
-        n, c = len(s.tokens), len(s.tokens) - s.prompt_len
-        assert len(s.behaviour_logprobs) == c, f"{len(s.behaviour_logprobs)} behaviour logprobs for {c} completion tokens"
-        cols.append(torch.arange(start + s.prompt_len - 1, start + n - 1))
+        at = torch.from_numpy(s.scored())
+        c = len(at)
+        assert len(s.behaviour_logprobs) == c, f"{len(s.behaviour_logprobs)} behaviour logprobs for {c} scored tokens"
+        cols.append(start + at - 1)
         behaviour.append(torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32)))
         adv.append(torch.full((c,), s.advantage, dtype=torch.float32))
         on_policy.append(torch.full((c,), s.version_min == s.version_max == version))
@@ -88,7 +89,7 @@ def pack_samples(samples: list[Sample], version: int) -> PackedBatch:
         token_adv=torch.cat(adv),
         on_policy=torch.cat(on_policy),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
-        lengths=torch.tensor([len(s.tokens) - s.prompt_len for s in samples], dtype=torch.long),
+        lengths=torch.tensor([s.n_scored for s in samples], dtype=torch.long),
     )
 
 

@@ -11,13 +11,14 @@ counts over ALL ranks, which the loss divides by (learner/train/aggregation.py).
 group (GRPO) are computed on rank 0 before the split, so a group may span ranks.
 
 Layout of the buffer (little endian):
-    int64 header [samples, mini_batches, total token ids, completion tokens, version, max_staleness, save_step]
+    int64 header [samples, mini_batches, total token ids, scored tokens, version, max_staleness, save_step]
                                                                                    (samples = -1: stop)
     int64  mini_batch_tokens [mini_batches], mini_batch_samples [mini_batches], micro_counts [mini_batches]
     int32  micro_sizes [sum of micro_counts]: samples of each micro-batch, in order
     int32  lengths [samples], prompt_lens [samples], versions [samples, 2]
     float32 advantages [samples], rewards [samples]
-    int32  tokens [total token ids]      float32 behaviour_logprobs [completion tokens]
+    int32  tokens [total token ids]      float32 behaviour_logprobs [scored tokens]
+    uint8  loss_mask [completion tokens]: 1 scored (the model's), 0 an observation (multi-turn context)
 
 Everything crosses as two collectives per update: scatter of the sizes, then of the
 buffers padded to the largest. Both work on gloo (CPU) and NCCL (CUDA tensors).
@@ -44,7 +45,7 @@ HEADER_BYTES = 7 * 8
 @dataclass(kw_only=True, slots=True)
 class Share:
     samples: list[Sample]
-    mini_batch_tokens: list[int]  # completion tokens of each mini-batch summed over all DP ranks
+    mini_batch_tokens: list[int]  # scored tokens of each mini-batch summed over all DP ranks
     # samples of each mini-batch with at least one completion token, over all DP ranks (seq_mean_*, constant)
     mini_batch_samples: list[int] = field(default_factory=list)
     micro_sizes: list[list[int]] = field(default_factory=list)  # per mini-batch: samples of each micro-batch, in order
@@ -60,6 +61,8 @@ def encode_share(share: Share) -> np.ndarray:
     s = share.samples
     tokens = np.concatenate([x.tokens for x in s]).astype(np.int32) if s else np.zeros(0, np.int32)
     behaviour = np.concatenate([x.behaviour_logprobs for x in s]).astype(np.float32) if s else np.zeros(0, np.float32)
+    masks = [np.ones(len(x.tokens) - x.prompt_len, np.uint8) if x.loss_mask is None else x.loss_mask for x in s]
+    mask = np.concatenate(masks).astype(np.uint8) if s else np.zeros(0, np.uint8)
     parts = [
         np.array(
             [len(s), len(share.mini_batch_tokens), tokens.size, behaviour.size, share.version, share.max_staleness, share.save_step],
@@ -76,6 +79,7 @@ def encode_share(share: Share) -> np.ndarray:
         np.array([x.reward for x in s], dtype=np.float32),
         tokens,
         behaviour,
+        mask,
     ]
     return np.concatenate([p.view(np.uint8) for p in parts])
 
@@ -103,22 +107,26 @@ def decode_share(buf: np.ndarray) -> Share:
     versions = take(np.int32, 2 * n).reshape(n, 2)
     advantages, rewards = take(np.float32, n), take(np.float32, n)
     tokens, behaviour = take(np.int32, ntok), take(np.float32, ncomp)
+    mask = take(np.uint8, ntok - int(prompt_lens.sum(dtype=np.int64)))
     assert offset == buf.size, f"share buffer has {buf.size} bytes, layout needs {offset}"
-    samples, t, c = [], 0, 0
+    samples, t, c, k = [], 0, 0, 0
     for i in range(n):
         length, plen = int(lengths[i]), int(prompt_lens[i])
+        own = mask[k : k + length - plen]
+        scored = int(np.count_nonzero(own))
         samples.append(
             Sample(
                 tokens=tokens[t : t + length],
                 prompt_len=plen,
-                behaviour_logprobs=behaviour[c : c + length - plen],
+                behaviour_logprobs=behaviour[c : c + scored],
                 advantage=float(advantages[i]),
                 reward=float(rewards[i]),
                 version_min=int(versions[i, 0]),
                 version_max=int(versions[i, 1]),
+                loss_mask=None if scored == len(own) else own,
             )
         )
-        t, c = t + length, c + length - plen
+        t, c, k = t + length, c + scored, k + length - plen
     return Share(
         samples=samples,
         mini_batch_tokens=[int(x) for x in mb_tokens],
@@ -170,7 +178,7 @@ def make_shares(
     unit = make_advantage(cfg.algo)
     # Group advantages need the whole group, so rank 0 computes them; GAE is per sample and runs on each rank.
     # reinforce_baseline also whitens over the whole batch's completion tokens, hence the lengths.
-    lengths = torch.from_numpy(np.stack([g.lengths for g in groups]).astype(np.int64))
+    lengths = torch.from_numpy(np.stack([g.model_token_counts() for g in groups]).astype(np.int64))
     advantages = unit.per_sample(rewards, lengths) if isinstance(unit, GroupAdvantage) else torch.zeros_like(rewards)
     samples = [s for g, adv in zip(groups, advantages, strict=True) for s in group_samples(g, adv)]
     shares = split_rollout_batch(
@@ -218,8 +226,8 @@ def split_rollout_batch(
     for j in range(mini_batches):
         mini = shuffled[j * per_mb : (j + 1) * per_mb]
         cuts = cut_mini_batch([len(s.tokens) for s in mini], dp_size, token_budget, micro)
-        tokens = sum(len(s.tokens) - s.prompt_len for s in mini)
-        scored = sum(len(s.tokens) > s.prompt_len for s in mini)
+        tokens = sum(s.n_scored for s in mini)
+        scored = sum(s.n_scored > 0 for s in mini)
         for share, micro_batches in zip(shares, cuts, strict=True):
             share.samples += [mini[i] for mb in micro_batches for i in mb]
             share.mini_batch_tokens.append(tokens)

@@ -249,7 +249,7 @@ class Trainer:
         """Which sample each scored token is of, when a sequence-level term needs it (an SP rank: its range)."""
         if not self.policy_loss.needs_segments:
             return None
-        lengths = [len(s.tokens) - s.prompt_len for s in samples]
+        lengths = [s.n_scored for s in samples]
         return Segments.of(lengths, mb.tokens if isinstance(mb, SequenceShard) else None).to(self.topo.device)
 
     def _micro_step(
@@ -351,7 +351,7 @@ def _denominators(share: Share, j: int, samples: list[Sample], dp_size: int) -> 
     return Denominators(
         tokens=share.mini_batch_tokens[j],
         samples=share.mini_batch_samples[j],
-        micro_tokens=sum(len(s.tokens) - s.prompt_len for s in samples),
+        micro_tokens=sum(s.n_scored for s in samples),
         micro_batches=len(share.micro_sizes[j]) * dp_size,
     )
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from protocol.config.errors import need
+from protocol.config.errors import check_choices, need
+
+EnvErrors = Literal["requeue", "zero"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,8 +27,18 @@ class RolloutConfig:
     min_logprob: float = -100.0
     # a group with a reward beyond +-this is refused: the built-ins stay within +-10; 3e38 overflowed the advantages
     reward_bound: float = 1e4
+    # Multi-turn episodes (docs/multi-turn.md): an environment class, `package.module:Class`, one instance per episode;
+    # "" = one completion per sample. rollout.max_tokens is then the limit of one model turn.
+    env: str = ""
+    max_turns: int = 4  # model turns per episode at most (with rollout.env)
+    max_episode_tokens: int = 0  # an episode's tokens after the prompt, model and observation (0 = up to actor.max_model_len)
+    env_timeout_s: float = 30.0  # an environment call running longer ends its episode (env/timeouts)
+    # an episode whose environment raised, hung or answered garbage: requeue its group (the prompt goes back to the
+    # queue, nothing trained) | zero (the episode ends there, scored 0, and its group is trained)
+    env_errors: EnvErrors = "requeue"
 
     def __post_init__(self) -> None:
+        check_choices(self, "rollout")
         # samples_per_prompt >= 2 unless algo.advantage = gae: protocol/config/root.py (it depends on algo)
         need(self.samples_per_prompt >= 1, "rollout.samples_per_prompt", "must be >= 1")
         need(self.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
@@ -38,6 +51,10 @@ class RolloutConfig:
         need(self.reward_workers >= 1, "rollout.reward_workers", "must be >= 1")
         need(self.min_logprob < 0, "rollout.min_logprob", f"{self.min_logprob} must be < 0 (logprobs are <= 0)")
         need(self.reward_bound > 0, "rollout.reward_bound", f"{self.reward_bound} must be > 0")
+        need(not self.env or ":" in self.env, "rollout.env", "must look like package.module:Class")
+        need(self.max_turns >= 1, "rollout.max_turns", "must be >= 1")
+        need(self.max_episode_tokens >= 0, "rollout.max_episode_tokens", "must be >= 0 (0 = up to actor.max_model_len)")
+        need(self.env_timeout_s > 0, "rollout.env_timeout_s", "must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,11 +8,13 @@ silently corrupted a learner before it was checked. Reasons (the hub counts each
 
     prompt   its prompt tokens are not the ones the hub granted: the hub never trains a prompt it did not hand out
     length   a completion of 0 tokens, or of more than rollout.max_tokens or than the context leaves after the prompt
-             (protocol/budget.py): the engine produces 1..budget (even an immediate end-of-sequence is one token)
+             (protocol/budget.py; an episode: rollout.max_episode_tokens): the engine produces 1..budget (even an
+             immediate end-of-sequence is one token)
+    mask     observation tokens (loss mask 0) in a run without rollout.env: only an environment adds them
     token    a completion token id outside [0, vocabulary): the embedding has no such row (an IndexError on a
              CPU, a device-side assert on a GPU, which poisons the CUDA context for good)
-    logprob  a behaviour logprob above 0, or below rollout.min_logprob (see there: a sampled token that
-             unlikely is, for every practical purpose, never sampled)
+    logprob  a behaviour logprob of a model token above 0, or below rollout.min_logprob (see there: a sampled token
+             that unlikely is, for every practical purpose, never sampled); observation tokens' slots must hold 0
     finish   a finish reason other than "stop" or "length" (vLLM's "abort" and "error" end a completion that was
              never finished: it is not a sample of the policy)
     reward   a reward beyond +-rollout.reward_bound: float32 rewards near 3e38 overflowed the advantages (named
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocol import messages as m
-from protocol.budget import completion_budget
+from protocol.budget import completion_budget, episode_budget
 from protocol.config import Config
 
 
@@ -41,6 +43,8 @@ class GroupLimits:
     vocab_size: int | None  # rows of the model's embedding; None: not checked (a hub that trains nothing: tests, benches)
     max_tokens: int  # rollout.max_tokens
     max_model_len: int  # actor.max_model_len: prompt + completion
+    episodes: bool  # rollout.env is set: completions are episodes, observation tokens allowed
+    max_episode_tokens: int  # rollout.max_episode_tokens
     min_logprob: float  # rollout.min_logprob
     reward_bound: float  # rollout.reward_bound
 
@@ -50,6 +54,8 @@ class GroupLimits:
             vocab_size=vocab_size,
             max_tokens=cfg.rollout.max_tokens,
             max_model_len=cfg.actor.max_model_len,
+            episodes=bool(cfg.rollout.env),
+            max_episode_tokens=cfg.rollout.max_episode_tokens,
             min_logprob=cfg.rollout.min_logprob,
             reward_bound=cfg.rollout.reward_bound,
         )
@@ -68,20 +74,26 @@ def check_group(group: m.RolloutGroup, granted: np.ndarray, limits: GroupLimits)
             "prompt", f"prompt_tokens ({len(group.prompt_tokens)} tokens) differ from the granted prompt ({len(granted)} tokens)"
         )
     lengths = group.lengths
-    budget = completion_budget(len(granted), limits.max_tokens, limits.max_model_len)
+    if limits.episodes:
+        budget = episode_budget(len(granted), limits.max_episode_tokens, limits.max_model_len)
+        why = f"rollout.max_episode_tokens {limits.max_episode_tokens}, actor.max_model_len {limits.max_model_len} - prompt {len(granted)}"
+    else:
+        budget = completion_budget(len(granted), limits.max_tokens, limits.max_model_len)
+        why = f"rollout.max_tokens {limits.max_tokens}, actor.max_model_len {limits.max_model_len} - prompt {len(granted)}"
     if lengths.min() < 1 or lengths.max() > budget:
-        return Refusal(
-            "length",
-            f"completion lengths {int(lengths.min())}..{int(lengths.max())} outside 1..{budget} "
-            f"(rollout.max_tokens {limits.max_tokens}, actor.max_model_len {limits.max_model_len} - prompt {len(granted)})",
-        )
+        return Refusal("length", f"completion lengths {int(lengths.min())}..{int(lengths.max())} outside 1..{budget} ({why})")
+    model = group.model_tokens()
+    if not limits.episodes and not model.all():
+        return Refusal("mask", f"{int((~model).sum())} observation tokens (loss mask 0) in a run without rollout.env")
     tokens = group.completion_tokens
     if limits.vocab_size is not None and (tokens.min() < 0 or tokens.max() >= limits.vocab_size):
         return Refusal(
             "token",
             f"completion token ids {int(tokens.min())}..{int(tokens.max())} outside the model's vocabulary 0..{limits.vocab_size - 1}",
         )
-    logprobs = group.behaviour_logprobs
+    logprobs = group.behaviour_logprobs[model]
+    if (group.behaviour_logprobs[~model] != 0).any():
+        return Refusal("logprob", "behaviour logprobs of observation tokens (loss mask 0) are not 0")
     if logprobs.max() > 0 or logprobs.min() < limits.min_logprob:
         return Refusal(
             "logprob",

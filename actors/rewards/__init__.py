@@ -22,6 +22,8 @@ Built in (`actors.rewards:NAME`):
 - `open_instruct`: 10 x by_dataset, -10 for a response that did not stop (Tulu 3 RLVR); `tulu3_as_run` the same
   with the IFEval checks as that run had them (the Tulu 3 recipe's); `OpenInstructReward`
   builds other scales, penalties and verifier tables (`ifeval_as_run`: the Tulu 3 run's two IFEval bugs).
+- `code_tests`: the fraction of the row's test cases that the completion's last ```python block passes, run in the
+  sandbox (actors/sandbox); `code_tests_all`: 1 only when all pass; `CodeTests` builds other limits.
 """
 
 from actors.rewards.base import (
@@ -36,11 +38,13 @@ from actors.rewards.base import (
     score_one,
 )
 from actors.rewards.builtin import exact_match, math_answer, math_verify, orz
+from actors.rewards.code import CodeTests, code_tests, code_tests_all
 from actors.rewards.ifeval import ifeval, ifeval_as_run
 from actors.rewards.simplerl import simplerl_answer, simplerl_math
 from actors.rewards.verifiers import VERIFIERS, OpenInstructReward, by_dataset, open_instruct, tulu3_as_run
 
 __all__ = [
+    "CodeTests",
     "GroupScores",
     "OpenInstructReward",
     "Outcome",
@@ -49,6 +53,8 @@ __all__ = [
     "VERIFIERS",
     "assemble",
     "by_dataset",
+    "code_tests",
+    "code_tests_all",
     "exact_match",
     "ifeval",
     "ifeval_as_run",

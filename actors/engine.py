@@ -134,11 +134,12 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)  # the one vLLM loads (same folder), unpooled
 
     async def generate_group(
-        self, prompt_tokens: np.ndarray, n: int, seed: int | None = None, sampling: Sampling | None = None
+        self, prompt_tokens: np.ndarray, n: int, seed: int | None = None, sampling: Sampling | None = None, max_tokens: int | None = None
     ) -> list[Completion]:
         """`n` completions of one prompt as one request (vLLM fans it out to n sequences).
 
-        `sampling` defaults to rollout's (Sampling.rollout); temperature 0.0 is greedy (evaluation).
+        `sampling` defaults to rollout's (Sampling.rollout); temperature 0.0 is greedy (evaluation). `max_tokens`
+        (default rollout.max_tokens): an episode's turn asks for what its budget leaves. The context caps both.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -154,7 +155,7 @@ class Engine:
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            max_tokens=completion_budget(len(prompt_tokens), self.cfg.rollout.max_tokens, self.cfg.actor.max_model_len),
+            max_tokens=completion_budget(len(prompt_tokens), max_tokens or self.cfg.rollout.max_tokens, self.cfg.actor.max_model_len),
             logprobs=0,
             seed=seed,
             output_kind=RequestOutputKind.FINAL_ONLY,

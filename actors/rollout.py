@@ -1,6 +1,7 @@
 """What an actor makes of a grant: the engine's completions, scored by the reward workers, as the message the hub takes.
 
     WorkGrant --generate (again while vLLM ends completions unfinished)--> completions --score--> RolloutGroup | None
+    WorkGrant, rollout.env --n episodes at once (actors/episode.py)--> episodes --their rewards, or score--> RolloutGroup
     EvalGrant --generate with the round's sampling--> completions --score--> EvalResult
 
 No socket, no version bookkeeping: the actor (actors/main.py) waits until its engine serves the grant's version,
@@ -10,6 +11,7 @@ sends what comes back.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from actors.engine import Completion, Engine, Sampling
-from actors.rewards import GroupScores, RewardContext, assemble, parse_metadata
+from actors.env.base import EpisodeRow, load_env
+from actors.episode import Episode, EpisodeRunner
+from actors.rewards import GroupScores, Outcome, RewardContext, assemble, parse_metadata
 from actors.rewards.pool import RewardPool
 from protocol import messages as m
 from protocol.config import Config
@@ -34,11 +38,16 @@ class Rollouts:
         self.sampling = Sampling.rollout(cfg)
         self._reward_error_log = Throttle(1.0)
         self._dropped_parts_log = Throttle(60.0)
+        self._env_error_log = Throttle(1.0)
+        # rollout.env: completions are episodes (a ValueError naming rollout.env when the class cannot be loaded)
+        self.episodes = EpisodeRunner(cfg, engine, load_env(cfg.rollout.env), self.sampling) if cfg.rollout.env else None
 
     async def train_group(self, grant: m.WorkGrant, actor_id: str, served: Callable[[], int]) -> m.RolloutGroup:
         """The grant's group. One the engine ended unfinished GENERATE_ATTEMPTS times is still sent: the hub refuses
         it (reason `finish`, no fault of this actor) and puts the prompt back in its queue at once, where a group
         kept back here would hold it until its lease ran out."""
+        if self.episodes is not None:
+            return await self.episode_group(grant, actor_id, served)
         t0 = time.perf_counter()
         for attempt in range(1, GENERATE_ATTEMPTS + 1):
             version_min = served()
@@ -77,6 +86,71 @@ class Rollouts:
             reward_errors=scores.errors,
         )
 
+    async def episode_group(self, grant: m.WorkGrant, actor_id: str, served: Callable[[], int]) -> m.RolloutGroup:
+        """rollout.samples_per_prompt episodes of the grant's prompt, run at once. An episode the environment ended
+        by failing keeps finish reason "env_error" (rollout.env_errors = requeue: the hub refuses the group and
+        requeues its prompt) or is scored 0 and ended as "length" (zero); either way counted and logged once."""
+        assert self.episodes is not None
+        t0 = time.perf_counter()
+        row = EpisodeRow(prompt=grant.prompt, answer=grant.answer, metadata=self._metadata(grant, "train"))
+        version_min = served()
+        episodes = await asyncio.gather(*(self.episodes.run(grant.prompt_tokens, row) for _ in range(self.cfg.rollout.samples_per_prompt)))
+        version_max = served()
+        gen_s = time.perf_counter() - t0
+        failed = [e for e in episodes if e.error is not None]
+        if failed and (suppressed := self._env_error_log.ready()) is not None:
+            self.log.warning(
+                "actor.env_errors",
+                env=self.cfg.rollout.env,
+                errors=len(failed),
+                of=len(episodes),
+                prompt_id=grant.prompt_id,
+                first=failed[0].error,
+                then=self.cfg.rollout.env_errors,
+                suppressed=suppressed,
+            )
+        if self.cfg.rollout.env_errors == "zero":
+            for e in failed:
+                e.finish_reason, e.reward = "length", 0.0
+        scores = await self._episode_scores(grant, episodes)
+        mask = np.concatenate([np.asarray(e.mask, np.uint8) for e in episodes])
+        return m.RolloutGroup(
+            actor_id=actor_id,
+            prompt_id=grant.prompt_id,
+            epoch=grant.epoch,
+            prompt_tokens=grant.prompt_tokens,
+            lengths=np.asarray([len(e.token_ids) for e in episodes], dtype=np.int32),
+            completion_tokens=np.concatenate([np.asarray(e.token_ids, np.int32) for e in episodes]),
+            behaviour_logprobs=np.concatenate([np.asarray(e.logprobs, np.float32) for e in episodes]),
+            rewards=scores.rewards,
+            finish_reasons=[e.finish_reason for e in episodes],
+            version_min=version_min,
+            version_max=version_max,
+            gen_s=gen_s,
+            reward_s=time.perf_counter() - t0 - gen_s,
+            reward_parts=scores.parts,
+            reward_part_names=scores.part_names,
+            reward_errors=scores.errors,
+            loss_mask=mask if not mask.all() else np.zeros(0, np.uint8),
+            turns=np.asarray([e.turns for e in episodes], np.int32),
+            tool_calls=np.asarray([e.tool_calls for e in episodes], np.int32),
+            env_s=sum(e.env_s for e in episodes),
+            env_errors=len(failed),
+            env_timeouts=sum(e.timed_out for e in episodes),
+        )
+
+    async def _episode_scores(self, grant: m.WorkGrant, episodes: list[Episode]) -> GroupScores:
+        """The environment's rewards where every episode has one; else rollout.reward_fn on each episode's whole
+        text, the environment's reward taking its place where there is one."""
+        given = [e.reward for e in episodes]
+        if all(r is not None for r in given):
+            return assemble([Outcome(float(r or 0.0), {}) for r in given])
+        scores = await self.score_texts(grant, [(e.completion_text, e.finish_reason) for e in episodes], "train")
+        for i, r in enumerate(given):
+            if r is not None:
+                scores.rewards[i] = r
+        return scores
+
     async def eval_result(self, grant: m.EvalGrant, actor_id: str, served: Callable[[], int]) -> m.EvalResult:
         """The hub sends no newer weights during a round, so version_min == version_max == grant.policy_version."""
         version_min = served()
@@ -100,17 +174,23 @@ class Rollouts:
             reward_errors=scores.errors,
         )
 
-    async def score(self, grant: m.WorkGrant | m.EvalGrant, completions: list[Completion], split: str) -> GroupScores:
-        """Score a group in the reward workers. A failed reward scores 0 and is counted in the group (and logged
-        here, once per group, with its first line): the group is sent as usual."""
+    def _metadata(self, grant: m.WorkGrant | m.EvalGrant, split: str) -> dict[str, Any]:
         try:
-            metadata = parse_metadata(grant.metadata)
+            return parse_metadata(grant.metadata)
         except ValueError as e:  # json.JSONDecodeError is a ValueError; the reward still runs, with no metadata
             self.log.warning("actor.bad_metadata", prompt_id=grant.prompt_id, split=split, error=str(e))
-            metadata = {}
+            return {}
+
+    async def score(self, grant: m.WorkGrant | m.EvalGrant, completions: list[Completion], split: str) -> GroupScores:
+        return await self.score_texts(grant, [(c.text, c.finish_reason) for c in completions], split)
+
+    async def score_texts(self, grant: m.WorkGrant | m.EvalGrant, texts: list[tuple[str, str]], split: str) -> GroupScores:
+        """Score a group's (text, finish reason) in the reward workers. A failed reward scores 0 and is counted in the
+        group (and logged here, once per group, with its first line): the group is sent as usual."""
+        metadata = self._metadata(grant, split)
         contexts = [
-            RewardContext(completion=c.text, prompt=grant.prompt, answer=grant.answer, metadata=metadata, finish_reason=c.finish_reason)
-            for c in completions
+            RewardContext(completion=text, prompt=grant.prompt, answer=grant.answer, metadata=metadata, finish_reason=finish)
+            for text, finish in texts
         ]
         scores = assemble(await self.rewards.score(contexts))
         # at most one line a second: a reward that fails on every row must not flood the log (the counts still go out)

@@ -22,6 +22,7 @@ PROTOCOL_VERSION = 7
 WEIGHT_BACKENDS = ("nccl", "gloo")  # a weight group's torch.distributed backend; protocol/weights.py picks one per epoch
 MAX_RANKS_PER_ACTOR = 64  # weight-group ranks one registration may claim: a peer cannot grow the group without bound
 FINISH_REASONS = ("stop", "length")  # a trained completion's: it ended (EOS, stop token or string) or ran out of room
+ENV_ERROR = "env_error"  # an episode's finish reason when its environment failed (rollout.env_errors = requeue)
 # A group's named reward parts become metrics (reward/part/<name>): bounded so no actor can mint metric keys at will.
 MAX_REWARD_PARTS = 16  # names per group
 MAX_PART_NAME_CHARS = 64
@@ -123,6 +124,8 @@ class RolloutGroup(Message):
         "rewards": ("float32", 1),
         "reward_parts": ("float32", 1),
         "loss_mask": ("uint8", 1),
+        "turns": ("int32", 1),
+        "tool_calls": ("int32", 1),
     }
     actor_id: str
     prompt_id: int
@@ -144,6 +147,13 @@ class RolloutGroup(Message):
     # uint8 [sum(lengths)]: 1 for the model's tokens (sampled, with behaviour logprobs), 0 for an environment's
     # observation tokens (context only; their logprob slots hold 0). Empty: every token is the model's (one turn).
     loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    # Episodes (rollout.env), else empty and 0: int32 [n] model turns and tool calls of each episode, seconds spent
+    # in the environment, and episodes its failure ended (requeued groups carry them to the hub's counters too)
+    turns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    tool_calls: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    env_s: float = 0.0
+    env_errors: int = 0
+    env_timeouts: int = 0
 
     def model_tokens(self) -> np.ndarray:
         """bool [sum(lengths)]: which completion tokens the model sampled (the ones trained on)."""
@@ -189,6 +199,14 @@ class RolloutGroup(Message):
                 raise ProtocolError(f"RolloutGroup.loss_mask: value {int(self.loss_mask.max())}, only 0 and 1")
             if (self.lengths > 0).all() and self.model_token_counts().min() == 0:
                 raise ProtocolError("RolloutGroup.loss_mask: a completion with no model token (nothing to train)")
+        for name in ("turns", "tool_calls"):
+            values = getattr(self, name)
+            if len(values) not in (0, n) or (len(values) and values.min() < 0):
+                raise ProtocolError(f"RolloutGroup.{name}: {len(values)} values for {n} completions, none negative")
+        if not (0 <= self.env_errors <= n and 0 <= self.env_timeouts <= self.env_errors and self.env_s >= 0):
+            raise ProtocolError(
+                f"RolloutGroup: env_errors {self.env_errors}, env_timeouts {self.env_timeouts}, env_s {self.env_s:g} out of range"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -11,6 +11,13 @@ reward/errors                               completions whose reward function ra
                                             over every group received for the step, filtered ones included: a
                                             failing reward scores a whole group 0, and algo.filter_equal_rewards
                                             drops exactly such groups
+env/turns_mean, env/tool_calls_mean         episodes (rollout.env): model turns and tool calls per episode
+env/tool_use_share                          share of episodes with at least one tool call
+env/obs_token_share                         observation tokens / completion tokens (model and observation)
+env/step_s                                  seconds in the environment per model turn
+env/errors, env/timeouts                    episodes of the step's groups (filtered ones included) that a failing
+                                            environment ended (rollout.env_errors = zero: trained, scored 0);
+                                            requeued ones never reach a step: hub/env_errors counts every one
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ def rollout_metrics(
         "response/truncation_rate": sum(r == "length" for r in reasons) / len(reasons),
         "reward/errors": float(sum(g.reward_errors for g in [*groups, *filtered])),
     }
+    out.update(episode_metrics(groups, filtered))
     parts: dict[str, list[np.ndarray]] = defaultdict(list)
     for g in groups:
         if not g.reward_part_names:
@@ -55,3 +63,24 @@ def rollout_metrics(
     for name in sorted(parts):
         out[PART_PREFIX + name] = float(np.concatenate(parts[name]).mean(dtype=np.float64))  # float32 parts may be huge
     return out
+
+
+def episode_metrics(groups: Sequence[RolloutGroup], filtered: Sequence[RolloutGroup] = ()) -> dict[str, float]:
+    """env/* of the step's episodes; {} when its groups are single completions (no rollout.env)."""
+    episodes = [g for g in groups if len(g.turns)]
+    if not episodes:
+        return {}
+    turns = np.concatenate([g.turns for g in episodes]).astype(np.float64)
+    calls = np.concatenate([g.tool_calls for g in episodes]).astype(np.float64)
+    tokens = sum(int(g.lengths.sum()) for g in episodes)
+    observed = sum(int(len(g.loss_mask) - g.loss_mask.sum(dtype=np.int64)) for g in episodes)
+    everything = [*groups, *filtered]
+    return {
+        "env/turns_mean": float(turns.mean()),
+        "env/tool_calls_mean": float(calls.mean()) if len(calls) else 0.0,
+        "env/tool_use_share": float((calls > 0).mean()) if len(calls) else 0.0,
+        "env/obs_token_share": observed / max(tokens, 1),
+        "env/step_s": sum(g.env_s for g in episodes) / max(float(turns.sum()), 1.0),
+        "env/errors": float(sum(g.env_errors for g in everything)),
+        "env/timeouts": float(sum(g.env_timeouts for g in everything)),
+    }

@@ -45,11 +45,23 @@ def test_arrays_travel_as_raw_frames_not_lists():
         ["rewards", "float32", [4]],
         ["reward_parts", "float32", [0]],
         ["loss_mask", "uint8", [0]],
+        ["turns", "int32", [0]],
+        ["tool_calls", "int32", [0]],
     ]
     assert header["f"]["actor_id"] == "a0" and header["f"]["finish_reasons"] == ["stop"] * 4
     assert not set(header["f"]) & set(m.RolloutGroup.ARRAYS)  # no array data in the header
     assert len(frames) == 1 + len(m.RolloutGroup.ARRAYS)
-    assert [f.nbytes for f in frames[1:]] == [g.prompt_tokens.nbytes, 16, g.completion_tokens.nbytes, g.behaviour_logprobs.nbytes, 16, 0, 0]
+    assert [f.nbytes for f in frames[1:]] == [
+        g.prompt_tokens.nbytes,
+        16,
+        g.completion_tokens.nbytes,
+        g.behaviour_logprobs.nbytes,
+        16,
+        0,
+        0,
+        0,
+        0,
+    ]
     out = decode([bytes(f) for f in frames])
     assert isinstance(out.completion_tokens, np.ndarray) and out.completion_tokens.dtype == np.int32
     assert not out.completion_tokens.flags.owndata  # a view of the received frame, not a copy
@@ -130,10 +142,10 @@ def _set_array(i, part, value):
             lambda h: h["f"].__setitem__("finish_reasons", ["stop", 1, "stop"]),
             "RolloutGroup.finish_reasons: expected list[str], got a list",
         ),
-        (lambda h: h.__setitem__("a", h["a"][:5]), "RolloutGroup: header.a must list its 7 arrays"),
-        (lambda h: h.__setitem__("a", {}), "RolloutGroup: header.a must list its 7 arrays"),
+        (lambda h: h.__setitem__("a", h["a"][:5]), "RolloutGroup: header.a must list its 9 arrays"),
+        (lambda h: h.__setitem__("a", {}), "RolloutGroup: header.a must list its 9 arrays"),
         (lambda h: h["a"].__setitem__(0, ["prompt_tokens", "int32"]), "RolloutGroup.prompt_tokens: array entry"),
-        (lambda h: h["a"].reverse(), "RolloutGroup: array frame 'loss_mask' where 'prompt_tokens' belongs"),
+        (lambda h: h["a"].reverse(), "RolloutGroup: array frame 'tool_calls' where 'prompt_tokens' belongs"),
         (_set_array(0, 1, "float64"), "RolloutGroup.prompt_tokens: dtype 'float64', expected int32"),
         (_set_array(4, 1, "float64"), "RolloutGroup.rewards: dtype 'float64', expected float32"),
         (_set_array(4, 1, ["float32"]), "RolloutGroup.rewards: dtype ['float32'], expected float32"),
@@ -187,7 +199,7 @@ def test_errors_quote_the_peer_briefly():
 
 def test_truncated_oversized_and_inconsistent():
     frames = [bytes(f) for f in encode(rollout_group())]
-    with pytest.raises(m.ProtocolError, match="expected 7 array frames, got 6"):
+    with pytest.raises(m.ProtocolError, match="expected 9 array frames, got 8"):
         decode(frames[:-1])
     with pytest.raises(m.ProtocolError, match="not valid MessagePack"):
         decode([frames[0][:-3], *frames[1:]])

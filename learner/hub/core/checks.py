@@ -15,6 +15,8 @@ silently corrupted a learner before it was checked. Reasons (the hub counts each
              CPU, a device-side assert on a GPU, which poisons the CUDA context for good)
     logprob  a behaviour logprob of a model token above 0, or below rollout.min_logprob (see there: a sampled token
              that unlikely is, for every practical purpose, never sampled); observation tokens' slots must hold 0
+    env      an episode its environment ended by failing (finish reason "env_error", rollout.env_errors = requeue):
+             not the actor's fault; the prompt goes back to the queue at once
     finish   a finish reason other than "stop" or "length" (vLLM's "abort" and "error" end a completion that was
              never finished: it is not a sample of the policy)
     reward   a reward beyond +-rollout.reward_bound: float32 rewards near 3e38 overflowed the advantages (named
@@ -99,6 +101,10 @@ def check_group(group: m.RolloutGroup, granted: np.ndarray, limits: GroupLimits)
             "logprob",
             f"behaviour logprobs {float(logprobs.min()):.4g}..{float(logprobs.max()):.4g} outside "
             f"[{limits.min_logprob:g}, 0] (rollout.min_logprob)",
+        )
+    if m.ENV_ERROR in group.finish_reasons:
+        return Refusal(
+            "env", f"{group.finish_reasons.count(m.ENV_ERROR)} episodes ended by their environment failing (rollout.env_errors = requeue)"
         )
     odd = sorted(set(group.finish_reasons).difference(m.FINISH_REASONS))
     if odd:

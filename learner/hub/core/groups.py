@@ -31,7 +31,7 @@ from protocol.logs import get_logger
 # own reward function, the same on every actor (quarantining would shut out the whole fleet; it is logged for the
 # operator); a `finish` reason other than stop or length is vLLM's (an actor regenerates such groups before it
 # sends one, actors/rollout.py, and one from before that change must not be shut out for it).
-NO_FAULT = frozenset({"reward", "finish"})
+NO_FAULT = frozenset({"reward", "finish", "env"})
 
 
 def verdict(
@@ -78,6 +78,9 @@ class Groups:
         """A group from the registered actor `state` (on its own connection): what to tell it (a refusal)."""
         key = (msg.epoch, msg.prompt_id)
         refused = verdict(msg, self.updates.version, ledger, self.cfg.rollout.samples_per_prompt, self.prompts, self.limits)
+        if refused is None or refused[0].reason == "env":  # episodes a failing environment ended, trained or requeued
+            self.counters["env_errors"] += msg.env_errors
+            self.counters["env_timeouts"] += msg.env_timeouts
         if refused is not None:
             return self._refuse(identity, state, msg.actor_id, key, now, ledger, *refused)
         state.held.discard(key)

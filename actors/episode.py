@@ -92,13 +92,17 @@ class EpisodeRunner:
         ep = Episode()
         budget = episode_budget(len(prompt_tokens), self.cfg.rollout.max_episode_tokens, self.cfg.actor.max_model_len)
         prompt = [int(t) for t in prompt_tokens]
+        env = None
         try:
-            env = await self._call(ep, self.env_cls, row)
             while True:
                 room = budget - len(ep.token_ids)
                 turn = await self._generate(prompt + ep.token_ids, min(self.turn_tokens, room))
                 ep.add(turn.token_ids.tolist(), turn.logprobs.tolist(), "model", turn.text)
                 ep.turns += 1
+                # Built after the first turn: an episode its constructor ends still has a token, which the hub
+                # needs to count it as the environment's failure (a 0-token completion is refused as the actor's).
+                if env is None:
+                    env = await self._call(ep, self.env_cls, row)
                 step = await self._call(ep, env.step, turn.text)
                 if not isinstance(step, Step):
                     raise EnvError(f"step returned {type(step).__name__}, not a Step")

@@ -38,10 +38,23 @@ def connect_address(bind: str) -> str:
 
 def demo_model(cfg: Config) -> Path:
     """Build (once, cached) the tiny model with its warm start; returns its folder."""
-    from deploy.tiny import write_tiny_model
-    from learner.warmstart import warm_start
+    from deploy.tiny import TOOL_TAGS, write_tiny_model
+    from learner.warmstart import warm_start, warm_start_tools
 
-    key = json.dumps({"v": 2, "seed": cfg.run.seed, "steps": cfg.demo.warmstart_steps, "smoothing": cfg.demo.warmstart_smoothing})
+    d = cfg.demo
+    tools = d.tool_share > 0  # the tool demo: the calculator's tags in the vocabulary, sums of data.digits digits
+    key = json.dumps({"v": 2, "seed": cfg.run.seed, "steps": d.warmstart_steps, "smoothing": d.warmstart_smoothing})
+    if tools:
+        key = json.dumps(
+            {
+                "v": 4,
+                "seed": cfg.run.seed,
+                "steps": d.warmstart_steps,
+                "smoothing": d.warmstart_smoothing,
+                "tool_share": d.tool_share,
+                "digits": cfg.data.digits,
+            }
+        )
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     root = Path(os.environ.get("FLEETRL_CACHE", Path.home() / ".cache" / "fleetrl"))
     final = root / f"demo-model-{digest}"
@@ -52,8 +65,11 @@ def demo_model(cfg: Config) -> Path:
     tmp = root / f".building-{digest}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
-    write_tiny_model(tmp, seed=cfg.run.seed)
-    info = warm_start(tmp, cfg.demo.warmstart_steps, cfg.run.seed, cfg.demo.warmstart_smoothing)
+    write_tiny_model(tmp, seed=cfg.run.seed, tags=TOOL_TAGS if tools else None)
+    if tools:
+        info = warm_start_tools(tmp, d.warmstart_steps, cfg.run.seed, d.warmstart_smoothing, cfg.data.digits, d.tool_share)
+    else:
+        info = warm_start(tmp, d.warmstart_steps, cfg.run.seed, d.warmstart_smoothing)
     try:
         tmp.rename(final)
     except OSError:  # another process built it first

@@ -12,9 +12,15 @@ from pathlib import Path
 
 ALPHABET = "0123456789+-=*() "
 SPECIALS = ["<pad>", "<eos>", "<bos>"]
+# The tool demo's tags (configs/demo_tools.toml, actors/env/demo.py): each one token, after the alphabet's ids
+TOOL_TAGS = ["<calc>", "</calc>", "<result>", "</result>", "<error>", "</error>"]
 
 
-def build_tokenizer():
+def build_tokenizer(tags: list[str] | None = None):
+    """The character tokenizer; `tags`: whole-word tokens besides (the tool demo's), ids after the characters'.
+
+    The tags are added tokens, matched before the character split by whichever tokenizer class loads the folder
+    (AutoTokenizer reads a Qwen2 model's as Qwen2's fast tokenizer, whose own pre-tokenizer would split them)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -22,7 +28,10 @@ def build_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", model_max_length=256)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", model_max_length=256)
+    if tags:
+        fast.add_tokens(tags)
+    return fast
 
 
 def build_model(vocab_size: int, seed: int, hidden: int = 128, layers: int = 2, heads: int = 2):
@@ -46,11 +55,11 @@ def build_model(vocab_size: int, seed: int, hidden: int = 128, layers: int = 2, 
     return Qwen2ForCausalLM(config)
 
 
-def write_tiny_model(out: Path, seed: int = 0) -> Path:
+def write_tiny_model(out: Path, seed: int = 0, tags: list[str] | None = None) -> Path:
     """Create a randomly initialised tiny model folder at `out`; returns its absolute path."""
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(tags)
     model = build_model(len(tokenizer), seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

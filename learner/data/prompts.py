@@ -88,9 +88,19 @@ class Datasets:
         return {name: s for name, s in (("val", self.val), ("test", self.test)) if s is not None}
 
 
-def addition_items(max_operand: int = 9) -> list[Item]:
-    """'a+b=' -> 'a+b' for single digits: 100 prompts, answers of one or two characters."""
-    return [(f"{a}+{b}=", str(a + b)) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+LONG_SUMS = 4096  # addition prompts with data.digits > 1
+
+
+def addition_items(max_operand: int = 9, digits: int = 1, seed: int = 0) -> list[Item]:
+    """'a+b=' -> 'a+b': for single digits the whole table (100 prompts, answers of one or two characters); for
+    `digits` > 1, LONG_SUMS distinct sums of two such numbers, drawn by `seed`."""
+    if digits == 1:
+        return [(f"{a}+{b}=", str(a + b)) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    rng, lo, hi = random.Random(f"fleetrl-sums-{digits}-{seed}"), 10 ** (digits - 1), 10**digits - 1
+    pairs: dict[tuple[int, int], None] = {}
+    while len(pairs) < LONG_SUMS:
+        pairs[(rng.randint(lo, hi), rng.randint(lo, hi))] = None
+    return [(f"{a}+{b}=", str(a + b)) for a, b in pairs]
 
 
 T = TypeVar("T", bound=tuple)
@@ -115,7 +125,7 @@ def load_datasets(cfg: Config, tokenizer) -> Datasets:
     if d.task == "file" or d.test_path:
         check_chat_template(d, tokenizer)
     if d.task == "addition":
-        items = [Row(text, answer) for text, answer in addition_items()]
+        items = [Row(text, answer) for text, answer in addition_items(digits=d.digits, seed=cfg.run.seed)]
     else:
         items = read_rows(d.path, "data.path", d, tokenizer, d.split)
     if d.test_path:

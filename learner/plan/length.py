@@ -107,7 +107,7 @@ def prompt_count(cfg: Config) -> tuple[int | None, str]:
 
     d = cfg.data
     if d.task == "addition":
-        rows, source = len(addition_items()), "data.task = addition"
+        rows, source = len(addition_items(digits=d.digits)), "data.task = addition"
     elif Path(d.path).exists():  # a file or a folder; a hub id is not here
         rows, source = count_rows(Path(d.path)), f"rows of {d.path}"
     elif d.num_prompts > 0:

@@ -9,6 +9,10 @@ RUN_DIR/samples.jsonl, one JSON object per group (one prompt and all its complet
 
 The prompt is the rendered text the actor was granted (templates applied); completions are decoded with the
 learner's tokenizer, special tokens kept, so an EOS or a chat turn marker shows where the model put it.
+An episode (rollout.env) also lists its turns, the model's and the environment's told apart, and its counts:
+
+    "turns": [{"role": "model", "text": "<calc>37+45</calc>"}, {"role": "env", "text": "<result>82</result>"},
+              {"role": "model", "text": "82<eos>"}], "model_turns": 2, "tool_calls": 1
 """
 
 from __future__ import annotations
@@ -43,18 +47,21 @@ class SampleWriter:
         k = len(g.reward_part_names)
         parts = g.reward_parts.reshape(len(g.lengths), k) if k else None
         completions, start = [], 0
+        mask = g.loss_mask if len(g.loss_mask) else None
         for i, n in enumerate(g.lengths.tolist()):
             tokens = g.completion_tokens[start : start + n].tolist()
+            record: dict[str, Any] = {
+                "text": self.tokenizer.decode(tokens, skip_special_tokens=False),
+                "reward": float(g.rewards[i]),
+                "parts": {} if parts is None else {name: float(parts[i, j]) for j, name in enumerate(g.reward_part_names)},
+                "finish_reason": g.finish_reasons[i],
+                "tokens": n,
+            }
+            if len(g.turns):
+                own = [1] * n if mask is None else mask[start : start + n].tolist()
+                record.update(turns=self.turns(tokens, own), model_turns=int(g.turns[i]), tool_calls=int(g.tool_calls[i]))
+            completions.append(record)
             start += n
-            completions.append(
-                {
-                    "text": self.tokenizer.decode(tokens, skip_special_tokens=False),
-                    "reward": float(g.rewards[i]),
-                    "parts": {} if parts is None else {name: float(parts[i, j]) for j, name in enumerate(g.reward_part_names)},
-                    "finish_reason": g.finish_reasons[i],
-                    "tokens": n,
-                }
-            )
         # policy_version: the learner's after the step; the completions come from version_min..version_max
         return {
             "step": step,
@@ -68,3 +75,14 @@ class SampleWriter:
             "answer": prompt.answer,
             "completions": completions,
         }
+
+    def turns(self, tokens: list[int], mask: list[int]) -> list[dict[str, str]]:
+        """The episode's runs of model tokens (mask 1) and environment tokens (mask 0), decoded, in order."""
+        out: list[dict[str, str]] = []
+        run: list[int] = []
+        for i, (t, m) in enumerate(zip(tokens, mask, strict=True)):
+            run.append(t)
+            if i + 1 == len(tokens) or mask[i + 1] != m:
+                out.append({"role": "model" if m else "env", "text": self.tokenizer.decode(run, skip_special_tokens=False)})
+                run = []
+        return out

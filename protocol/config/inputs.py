@@ -36,6 +36,7 @@ class ModelConfig:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     task: DataTask = "addition"  # built-in prompt set ("addition"), or "file": the rows at `path`
+    digits: int = 1  # addition's operands: 1 = the 0..9 table (100 prompts); n > 1: 4,096 seeded sums of n-digit numbers
     path: str = ""  # prompt set when task = "file": a .json/.jsonl/.parquet file, a folder of them, or a hub dataset id
     format: DataFormat = "plain"  # column mapping: plain (prompt, answer) | orz | verl | open_instruct (learner/data/rows.py)
     prompt_key: str = ""  # column holding the prompt, a string or chat messages; dotted for nested ("" = data.format's)
@@ -69,6 +70,7 @@ class DataConfig:
         need(self.max_metadata_bytes >= 2, "data.max_metadata_bytes", "must be >= 2 (the empty object {})")
         need(0 <= self.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
         need(self.epochs >= 1, "data.epochs", "must be >= 1")
+        need(1 <= self.digits <= 6, "data.digits", f"{self.digits} must be in 1..6")
         need(self.num_prompts >= 0, "data.num_prompts", "must be >= 0 (0 = unknown)")
         need(self.max_prompt_tokens >= 0, "data.max_prompt_tokens", "must be >= 0 (0 = actor.max_model_len - rollout.max_tokens)")
 
@@ -78,8 +80,12 @@ class DemoConfig:
     num_actors: int = 2  # actor processes started by `fleetrl demo`
     warmstart_steps: int = 300  # full-batch supervised steps that give the tiny model its starting policy
     warmstart_smoothing: float = 0.45  # label smoothing of that run: how unsure (high-entropy) the start is
+    # the tool demo (configs/demo_tools.toml): the warm start also shows the calculator tool (actors/env/demo.py) on
+    # this share of its examples, and answers directly on the rest
+    tool_share: float = 0.0
 
     def __post_init__(self) -> None:
         need(self.num_actors >= 1, "demo.num_actors", "must be >= 1")
         need(self.warmstart_steps >= 0, "demo.warmstart_steps", "must be >= 0")
         need(0 <= self.warmstart_smoothing < 1, "demo.warmstart_smoothing", "must be in [0, 1)")
+        need(0 <= self.tool_share <= 1, "demo.tool_share", "must be in [0, 1]")

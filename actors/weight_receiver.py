@@ -78,11 +78,11 @@ class WeightReceiver:
                 dtype,
                 sync.bucket_bytes,
                 self.buffer,
-                bcast=waits.broadcast,
+                waits=waits,
                 backend=backend,
                 local=self.local,
             ):
-                load(pairs)  # on CUDA its copies are queued on the current stream; NCCL's next write waits for them
+                load(pairs)  # on CUDA its copies are queued on the current stream; NCCL's next write into the slot waits for them
                 loaded += 1
             if self.local.type == "cuda":
                 # The last bucket's copies into the parameters are queued, not done: the engine may run them on

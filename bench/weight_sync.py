@@ -10,7 +10,8 @@ it ends when every receiver holds the bytes.
              into one preallocated flat tensor on each receiver.
   guarded    what the learner's sync does after `WeightSender.guard(optimizer)`:
              `Buckets.send` broadcasts each bucket straight from the parameters' memory
-             (a copy per bucket only where they are not back to back). Receivers do what
+             (a copy per bucket only where they are not back to back), IN_FLIGHT at a
+             time as the serving thread does (protocol/abortable.py). Receivers do what
              the vLLM worker does before `load_weights`: receive each bucket into one
              reused landing buffer and split it into named views (`receive_buckets`).
   snapshot   the unguarded sync: `Buckets.snapshot()` on the learner thread (one memcpy
@@ -32,9 +33,11 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from learner.weights.buckets import Buckets
 from protocol import weights as wg
+from protocol.abortable import Abortable, Graveyard
 from protocol.net import free_port
 
 MODES = ("raw", "guarded", "snapshot")
@@ -66,6 +69,7 @@ def _run(rank: int, world: int, port: int, shapes, bucket_mb: int, trials: int, 
     buckets = Buckets(learner_params(shapes, separate), torch.float32, bucket_bytes) if rank == 0 else None
     landing = torch.empty(wg.landing_numel(shapes, torch.float32, bucket_bytes))  # reused, as the vLLM worker does
     line_up = torch.zeros(1)
+    waits = Abortable(should_abort=lambda: None, timeout_s=120, graveyard=Graveyard())
     times: dict[str, list[float]] = {mode: [] for mode in (*MODES, "held")}
     for trial in range(trials + 1):  # trial 0 warms up: first-touch page faults of the reused buffers
         for mode in MODES:
@@ -77,7 +81,13 @@ def _run(rank: int, world: int, port: int, shapes, bucket_mb: int, trials: int, 
                 snapshot = buckets.snapshot() if mode == "snapshot" else None
                 if mode == "snapshot" and trial > 0:
                     times["held"].append(time.perf_counter() - t0)
-                buckets.send(group, snapshot)
+                with waits.pipeline() as pipe:
+
+                    def send(g: dist.ProcessGroup, bucket: torch.Tensor) -> None:
+                        pipe.room()
+                        pipe.start(g, bucket)
+
+                    buckets.send(group, snapshot, bcast=send)
             else:
                 for pairs in wg.receive_buckets(group, names, shapes, torch.float32, bucket_bytes, landing):
                     assert len(pairs) > 0

@@ -22,9 +22,10 @@ How NCCL differs (read from torch's ProcessGroupNCCL; not run on this machine):
 - its Work's future is marked done when the kernel is enqueued, not when it has run (torch
   documents `Future.done()` so for CUDA tensors), and `Work.wait()` only makes the current
   stream wait for NCCL's stream: neither says the bytes have arrived. So a broadcast here
-  waits on a CUDA event recorded after it, synchronised on a helper thread that sets the
-  same kind of Event as gloo's callback; a receiver's load_weights therefore reads a
-  complete bucket, and a sender's buffer may be written again once the wait returns;
+  waits on a CUDA event recorded after it (on a side stream, so the caller's stream is not
+  held behind it), synchronised on a helper thread that sets the same kind of Event as
+  gloo's callback; a receiver's load_weights therefore reads a complete bucket, and a
+  sender's buffer may be written again once the wait returns;
 - `abort()` works (ncclCommAbort): the stuck kernel ends, the event completes, the helper
   thread returns. An abandoned NCCL broadcast is aborted, where gloo's is left to time out;
 - a group that fails a collective would take the whole process down from torch's watchdog
@@ -32,6 +33,11 @@ How NCCL differs (read from torch's ProcessGroupNCCL; not run on this machine):
 - a communicator init (ncclCommInitRank, blocking) waits for every rank, for as long as NCCL's
   bootstrap allows. Given up, its group is aborted (`Abortable.build`), which frees what torch
   registered of it; the init's own thread may stay blocked until NCCL gives up, holding the group.
+
+Buckets are pipelined (`Abortable.pipeline`): up to IN_FLIGHT broadcasts are started before the host
+waits for the oldest, so the next bucket is on the wire while the host waits; one at a time, the
+link would sit idle for a host round trip per bucket. Each broadcast in flight owns its buffer on
+every rank (rank 0's staging buffer, a receiver's landing slot) until its wait has returned.
 
 Each group epoch has two keys of our own in the store, beside gloo's:
   joined/<rank>  set by a member just before it builds the group: rank 0 can name who never came;
@@ -42,9 +48,11 @@ Each group epoch has two keys of our own in the store, beside gloo's:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -52,6 +60,10 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+
+# Broadcasts of one epoch started before the host waits for the oldest. Two keep the link busy through each host wait;
+# each costs a bucket-sized buffer on every rank (weights.bucket_mb), so more would buy memory, not overlap.
+IN_FLIGHT = 2
 
 
 class Aborted(RuntimeError):
@@ -117,29 +129,57 @@ class Abortable:
 
         Returns once the bytes are in `tensor` (receiver) or out of it (sender), on the host's clock.
         """
+        self.finish(self.start(group, tensor))
+
+    def start(self, group: dist.ProcessGroup, tensor: torch.Tensor) -> InFlight:
+        """Start a broadcast from rank 0 in place; `finish` waits for it. Until then `tensor` is the backend's."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
         work = group.broadcast([tensor], opts)
         done = threading.Event()
         if tensor.is_cuda:  # NCCL
-            # Raises at once if the communicator already failed; else orders the current stream after NCCL's.
-            work.wait()
-            ran = torch.cuda.Event(blocking=True)  # blocking: the helper thread sleeps in the sync, it does not spin
-            ran.record(torch.cuda.current_stream(tensor.device))
+            # The event is recorded on a side stream: the caller's own stream is not made to wait, so what it queues
+            # meanwhile (a receiver's copies out of the bucket before this one) runs beside the broadcast.
+            side = torch.cuda.Stream(tensor.device)
+            with torch.cuda.stream(side):
+                work.wait()  # raises at once if the communicator already failed; else orders `side` after NCCL's stream
+                ran = torch.cuda.Event(blocking=True)  # blocking: the helper thread sleeps in the sync, it does not spin
+                ran.record(side)
             threading.Thread(target=_set_when_ran, args=(ran, tensor.device, done), name="fleetrl-nccl-wait", daemon=True).start()
         else:  # gloo completes its future when the operation has ended, data and all
             work.get_future().add_done_callback(lambda _: done.set())
+        return InFlight(group=group, tensor=tensor, work=work, done=done)
+
+    def finish(self, op: InFlight) -> None:
+        """Until `op` has ended (its bytes are in or out of its tensor, on the host's clock); raises Aborted, having
+        abandoned it, or the error it ended with."""
         try:
-            self.wait(done, "broadcast")
+            self.wait(op.done, "broadcast")
         except Aborted:
-            if tensor.is_cuda:
-                # ncclCommAbort ends the kernel (else it, and every stream made to wait for it, would hang until
-                # the group's timeout); the group is dead afterwards, as the caller already assumes.
-                group.abort()
-            self.graveyard.keep((group, tensor, work), done)
+            self.abandon(op)
             raise
-        work.wait()  # already complete: raises the error it ended with (a peer closed the connection, NCCL's abort)
+        op.work.wait()  # already complete: raises the error it ended with (a peer closed the connection, NCCL's abort)
+
+    def abandon(self, op: InFlight) -> None:
+        """Give `op` up: the graveyard holds it until the backend is done with it. On NCCL the group is aborted
+        (ncclCommAbort ends the kernel, else it and every stream made to wait for it would hang until the group's
+        timeout); the group is dead afterwards, as the caller already assumes."""
+        if op.tensor.is_cuda:
+            op.group.abort()
+        self.graveyard.keep((op.group, op.tensor, op.work), op.done)
+
+    @contextlib.contextmanager
+    def pipeline(self, depth: int = IN_FLIGHT) -> Iterator[Pipeline]:
+        """Broadcasts with up to `depth` in flight; every one has ended when the block exits normally, and every one
+        still in flight is abandoned when it exits with an error."""
+        pipe = Pipeline(self, depth)
+        try:
+            yield pipe
+            pipe.drain()
+        except BaseException:  # GeneratorExit too: a receiver that stops asking for buckets
+            pipe.abandon()
+            raise
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """`fn()` on a helper thread; raises Aborted (abandoning the thread) or whatever fn raised.
@@ -174,6 +214,53 @@ class Abortable:
         except Aborted:
             made.abandon()
             raise
+
+
+@dataclass(kw_only=True, slots=True)
+class InFlight:
+    """A broadcast started and not yet waited for, with what it holds until it ends."""
+
+    group: dist.ProcessGroup
+    tensor: torch.Tensor
+    work: Any  # the backend's Work
+    done: threading.Event  # set when it has ended, one way or another
+
+
+class Pipeline:
+    """Broadcasts ended in the order they were started, at most `depth` in flight (made by `Abortable.pipeline`).
+
+    The caller reuses a buffer only after the broadcast that used it has ended: with `depth` buffers taken in
+    turn, `room()` before filling the next one (rank 0's staging), or starting the next receive only once the
+    caller is done with the bucket `finish()` returned `depth` buckets earlier (a receiver's landing slots).
+    """
+
+    def __init__(self, waits: Abortable, depth: int):
+        assert depth >= 1
+        self.waits, self.depth = waits, depth
+        self._out: deque[InFlight] = deque()
+
+    def room(self) -> None:
+        """Make room for one more: with `depth` in flight, wait for the oldest."""
+        if len(self._out) == self.depth:
+            self.finish()
+
+    def start(self, group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+        assert len(self._out) < self.depth, "room() first"
+        self._out.append(self.waits.start(group, tensor))
+
+    def finish(self) -> torch.Tensor:
+        """Wait for the oldest in flight; its tensor (a receiver's: the bucket that arrived)."""
+        op = self._out.popleft()  # off the list first: a failed finish has already abandoned it
+        self.waits.finish(op)
+        return op.tensor
+
+    def drain(self) -> None:
+        while self._out:
+            self.finish()
+
+    def abandon(self) -> None:
+        while self._out:
+            self.waits.abandon(self._out.popleft())
 
 
 class _Made:

@@ -39,6 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from protocol.abortable import IN_FLIGHT, Abortable, Graveyard
 from protocol.messages import WEIGHT_BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -291,6 +292,24 @@ def landing_numel(shapes: list[list[int]], dtype: torch.dtype, bucket_bytes: int
     return max(bucket_numels(shapes, plan_buckets(shapes, itemsize, bucket_bytes)), default=0)
 
 
+def ring_offsets(numels: list[int], capacity: int) -> list[int]:
+    """Where each bucket sits in one reused buffer of `capacity` elements: right after the bucket before, or back at
+    the start when it does not fit there. A bucket then shares elements with the one before only when it wrapped
+    onto it, and buffers as large as the largest tensor (the embedding) hold many ordinary buckets side by side."""
+    out, at = [], 0
+    for n in numels:
+        assert n <= capacity, f"a bucket of {n} elements in a buffer of {capacity}"
+        at = at if at + n <= capacity else 0
+        out.append(at)
+        at += n
+    return out
+
+
+def overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether element ranges [start, end) a and b share an element."""
+    return a[0] < b[1] and b[0] < a[1]
+
+
 def receive_buckets(
     group: dist.ProcessGroup,
     names: list[str],
@@ -298,24 +317,50 @@ def receive_buckets(
     dtype: torch.dtype,
     bucket_bytes: int,
     buffer: torch.Tensor | None = None,
-    bcast: Callable[[dist.ProcessGroup, torch.Tensor], None] | None = None,
+    waits: Abortable | None = None,
     backend: str = "gloo",
     local: torch.device | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Other ranks: yield each received bucket as (name, tensor view) pairs, in broadcast order.
 
-    Every bucket lands in one reused `buffer` (allocated here, on the device `backend` needs, if
-    missing or too small), so the views are valid only until the next bucket is requested: load
-    them before asking for more. `bcast` receives one bucket (default `broadcast`; protocol/abortable.py's
-    gives up on an abort); when it returns the bytes are in the buffer, whichever stream reads them.
+    The buckets land in one reused `buffer` (allocated here, on the device `backend` needs, if missing or too
+    small), placed as `ring_offsets` says. A bucket is live from its receive until the caller asks for the next
+    one, and a receive starts only into elements no live bucket holds: while the caller loads one bucket the next
+    arrives beside it (up to IN_FLIGHT live at once), else after it. So the views are valid until the next bucket is
+    requested: load them before asking for more. `waits` receives them (protocol/abortable.py: it gives up on an
+    abort; by default only the group's own timeout ends a stuck receive); a bucket is yielded once its bytes are in
+    the buffer, whichever stream reads them.
     """
-    bcast = bcast or broadcast
+    waits = waits or Abortable(should_abort=lambda: None, timeout_s=math.inf, graveyard=Graveyard())
+    local = local or torch.device("cpu")
     itemsize = torch.tensor([], dtype=dtype).element_size()
     buckets = plan_buckets(shapes, itemsize, bucket_bytes)
     numels = bucket_numels(shapes, buckets)
-    if buffer is None or buffer.dtype != dtype or buffer.numel() < max(numels, default=0):
-        buffer = landing_buffer(max(numels, default=0), dtype, backend, local or torch.device("cpu"))
-    for bucket, numel in zip(buckets, numels, strict=True):
-        flat = buffer[:numel]
-        bcast(group, flat)
-        yield list(zip([names[i] for i in bucket], split_bucket(flat, [shapes[i] for i in bucket]), strict=True))
+    largest = max(numels, default=0)
+    if buffer is None or buffer.dtype != dtype or buffer.numel() < largest:
+        buffer = landing_buffer(largest, dtype, backend, local)
+    regions = [(at, at + n) for at, n in zip(ring_offsets(numels, buffer.numel()), numels, strict=True)]
+    pinned_for_gpu = buffer.device.type == "cpu" and local.type == "cuda"  # the shared-GPU fallback
+    live: list[int] = []  # buckets received into the buffer or on their way, the caller's first
+    with waits.pipeline(IN_FLIGHT) as pipe:
+
+        def start_what_fits(first: int) -> int:
+            """Start receiving buckets from `first` on while each has room; the first not started."""
+            while first < len(buckets) and len(live) < IN_FLIGHT and not any(overlap(regions[first], regions[j]) for j in live):
+                pipe.start(group, buffer[regions[first][0] : regions[first][1]])
+                live.append(first)
+                first += 1
+            return first
+
+        nxt = start_what_fits(0)  # with nothing live, a bucket always has room: each one is started by the time it is due
+        for i, bucket in enumerate(buckets):
+            flat = pipe.finish()
+            yield list(zip([names[j] for j in bucket], split_bucket(flat, [shapes[j] for j in bucket]), strict=True))
+            # The caller is done with bucket i. NCCL's next write waits for the copies its load queued on this stream
+            # (the broadcast orders NCCL's stream after it); gloo writes host memory from its own threads at once, so a
+            # copy out of pinned memory that may still be running must end first.
+            done = live.pop(0)
+            assert done == i, (done, i)
+            if pinned_for_gpu and nxt < len(buckets):
+                torch.cuda.current_stream(local).synchronize()
+            nxt = start_what_fits(nxt)

@@ -2,7 +2,8 @@
 
     begin: the members' devices -> SenderState.begin (reuse the epoch or form a new one) -> WeightSync to each
     run:   new epoch: every member's joined key (weights.join_timeout_s; late ones evicted) -> connect the group
-           -> buckets, each broadcast a wait that a removed member ends within POLL_S
+           -> buckets, IN_FLIGHT broadcasts at a time (protocol/abortable.py), each wait ended by a removed
+              member within POLL_S
            ok: SenderState.served.   failed: `abort` in the store, the epoch's group closed (SenderState.gave_up)
 
 It runs on the serving thread (learner/weights/serving.py), and `begin` of a sync's own attempt on the
@@ -62,7 +63,8 @@ class Attempts:
         self.lock = lock
         self.stop = stop
         self.graveyard = Graveyard()
-        self.staging = Staging()  # buckets copied across the PCIe bus: GPU -> host for gloo, host -> GPU for NCCL
+        # Buckets copied across the PCIe bus (GPU -> host for gloo, host -> GPU for NCCL), in one buffer of the largest.
+        self.staging = Staging(wg.landing_numel(shapes, wg.DTYPES[dtype], cfg.bucket_mb << 20))
         self.log = get_logger()
 
     def begin(self, fleet: Fleet, version: int, members: list[str], catchup: bool = False) -> Attempt:
@@ -135,16 +137,18 @@ class Attempts:
                     side = group if att.side else None
                 assert group is not None
                 on = wg.group_device(att.plan.backend, self.device)
+                with waits.pipeline() as pipe:  # every bucket has left when it exits; a failure abandons those in flight
 
-                def send(g: dist.ProcessGroup, flat: torch.Tensor) -> None:
-                    waits.broadcast(g, self.staging.to(on, flat))  # the same tensor unless the bucket is on the other side
+                    def send(g: dist.ProcessGroup, flat: torch.Tensor) -> None:
+                        pipe.room()  # at most the bucket before is still in flight
+                        pipe.start(g, self.staging.to(on, flat, pipe.drain))  # `flat` unless it is on the other side
 
-                if self.buckets is None:
-                    assert flats is not None
-                    for flat in flats:
-                        send(group, flat)
-                else:
-                    self.buckets.send(group, flats, bcast=send)  # guarded (flats None): the step waits for this thread
+                    if self.buckets is None:
+                        assert flats is not None
+                        for flat in flats:
+                            send(group, flat)
+                    else:
+                        self.buckets.send(group, flats, bcast=send)  # guarded (flats None): the step waits for this thread
             if side is not None:  # the members join the everyone epoch at the next sync
                 wg.close_group(side, att.plan.backend)
                 side = None

@@ -12,7 +12,7 @@ On the learner a bucket is broadcast from one of two places:
 
 Both are on the parameters' device: on GPUs NCCL sends straight from GPU memory. Only a gloo
 epoch beside a GPU (the shared-GPU fallback, protocol/weights.py), or a ZeRO-3 snapshot kept in
-host memory, crosses the PCIe bus, one bucket at a time (`Staging`).
+host memory, crosses the PCIe bus, through one reused buffer (`Staging`).
 
 Copies use numpy on CPU: one memcpy on the calling thread. torch's `copy_` splits the
 work across its OpenMP pool, and on a shared CPU one descheduled worker stalls the
@@ -22,6 +22,7 @@ barrier for all of them (docs/benchmarks.md, weight sync).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from protocol import weights as wg
+from protocol.abortable import IN_FLIGHT
 
 
 class Buckets:
@@ -120,28 +122,39 @@ class Staging:
     - an NCCL epoch with a snapshot kept in host memory (`weights.snapshot = "host"`, ZeRO-3): host buckets
       are copied to the GPU.
     Pinned host memory: the copy is one DMA (pageable memory would be staged by the driver in chunks).
-    One buffer, not one per bucket: each broadcast has ended before the next bucket is copied in (the
-    waits are on the host, protocol/abortable.py), so staging holds a bucket, not the model.
+    As large as the largest bucket, not the model: buckets take it in turn (protocol/weights.ring_offsets), each
+    right after the one before or back at the start. The caller's pipeline (protocol/abortable.py) makes room
+    before each copy, so only the IN_FLIGHT - 1 buckets before can still be in flight; a bucket that would land
+    on their elements waits for them first (`drain`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity  # elements: the largest bucket's
         self._buf: torch.Tensor | None = None
+        self._recent: deque[tuple[int, int]] = deque(maxlen=IN_FLIGHT - 1)  # elements of the buckets that may be in flight
 
-    def to(self, device: torch.device, flat: torch.Tensor) -> torch.Tensor:
+    def to(self, device: torch.device, flat: torch.Tensor, drain: Callable[[], None]) -> torch.Tensor:
         """`flat` where a group on `device` sends from: itself, or its copy in the staging buffer."""
         if flat.device == device:
             return flat
-        buf = self._buf
-        if buf is None or buf.device != device or buf.dtype != flat.dtype or buf.numel() < flat.numel():
+        n, buf = flat.numel(), self._buf
+        if buf is None or buf.device != device or buf.dtype != flat.dtype or buf.numel() < n:
             pin = device.type == "cpu"  # only ever reached beside a GPU (one side of the copy is CUDA)
-            buf = self._buf = torch.empty(flat.numel(), dtype=flat.dtype, device=device, pin_memory=pin)
-        out = buf[: flat.numel()]
+            buf = self._buf = torch.empty(max(n, self.capacity), dtype=flat.dtype, device=device, pin_memory=pin)
+            self._recent.clear()  # fresh memory: a send still reading the old buffer keeps that alive
+        end = self._recent[-1][1] if self._recent else 0
+        at = end if end + n <= buf.numel() else 0
+        if any(wg.overlap((at, at + n), r) for r in self._recent):
+            drain()
+        out = buf[at : at + n]
         out.copy_(flat)  # blocking to the host: gloo reads it on its own threads as soon as the broadcast starts
+        self._recent.append((at, at + n))
         return out
 
     def drop(self) -> None:
         """Forget the buffer: an abandoned send may still be reading it."""
         self._buf = None
+        self._recent.clear()
 
 
 def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:

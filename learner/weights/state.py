@@ -202,6 +202,15 @@ class SenderState(Generic[G]):
         for a in self._current(att, att.members):
             self.holds[a] = att.version
 
+    def closing(self) -> tuple[G, str] | None:
+        """Serving is over (the learner's end): the everyone epoch's group and its backend, to close; the next
+        attempt, if any, forms a new epoch."""
+        if self.group is None or self.plan is None:
+            return None
+        out = (self.group, self.plan.backend)
+        self.group, self.members, self.plan = None, [], None
+        return out
+
     def gave_up(self, att: Attempt) -> G | None:
         """The attempt failed and its epoch is over: the everyone epoch's group, when it was that one, to close
         (an operation in flight lives on in the graveyard). A probation epoch's own group is the caller's."""

@@ -247,6 +247,17 @@ class WeightSender:
             out["time/weight_guard_wait"], self._guard_wait_s = self._guard_wait_s, 0.0
         return out
 
+    def close(self) -> dict[str, float]:
+        """`wait`, then let the weight group go: NCCL's communicator is aborted now (local: it never waits for the
+        members), not left to the garbage collector or to whatever runs next in this process. Members see their
+        next receive fail and leave, as after any epoch the learner gives up."""
+        out = self.wait()
+        with self._lock:
+            closing = self.state.closing()
+        if closing is not None:
+            wg.close_group(*closing)
+        return out
+
     def _watch(self, fleet: Fleet) -> None:
         if self._fleet is None:
             self._fleet = fleet

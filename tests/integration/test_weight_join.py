@@ -117,10 +117,12 @@ def learner(request):
     sender.guard(opt)  # each optimizer step first waits for the sync's own broadcast, as in the learner
     members: list[Member] = []
     yield addr, hub, sender, params, opt, members
-    sender.wait()
-    hub.stop()
-    for member in members:
-        member.stop()
+    try:
+        sender.close()  # its last group (NCCL on a GPU) is aborted here, not left to a later test
+    finally:
+        hub.stop()
+        for member in members:
+            member.stop()
 
 
 def digest(params: list[torch.Tensor]) -> str:

@@ -227,3 +227,14 @@ def test_a_failed_attempt_drops_the_everyone_group_but_keeps_it_for_a_probation_
     state.ended()
     retry = begin(state, 2, ["a"])
     assert retry.attempt.new_group and retry.attempt.epoch == 3 and retry.close is None  # a new epoch; epochs never reused
+
+
+def test_closing_hands_back_the_connected_group_once_and_the_next_sync_forms_a_new_epoch():
+    state = sender("a")
+    state.start_serving(["a"])
+    att = begin(state, 1, ["a"]).attempt
+    succeed(state, att, "g1")
+    assert state.closing() == ("g1", "gloo")
+    assert state.group is None and state.closing() is None  # closed once
+    again = begin(state, 2, ["a"])
+    assert again.attempt.new_group and again.attempt.epoch == 2 and again.close is None  # nothing left to close

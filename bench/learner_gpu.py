@@ -15,7 +15,7 @@ tokens/s counts prompt + completion positions per second of update (padding not 
 MFU = 6 x params x tokens/s / peak. Figures of the median of --updates timed updates, after --warmup.
 
     python -m bench.learner_gpu [--cases 1.5B-short,0.5B-short,0.5B-long] [--updates 5] [--warmup 2]
-                                [--peak-tflops 989]
+                                [--peak-tflops 989] [--timeout 110] [--budget 250]
     python -m bench.learner_gpu --smoke      # tiny model on the CPU: every code path, in seconds
 """
 
@@ -25,19 +25,20 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.learner_gpu_cases import CASES, GPU_CASES, Case
-from deploy.procs import path_with
+from deploy.procs import path_with, run_capped
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = {"fleetrl": "FleetRL", "plain": "plain PyTorch"}
 
 
-def run_side(side: str, case: Case, args: argparse.Namespace, tmp: Path) -> dict:
+def run_side(side: str, case: Case, args: argparse.Namespace, tmp: Path, limit_s: float) -> dict:
+    """One side in a process of its own, killed after `limit_s` (its --timeout, or what is left of --budget)."""
     out = tmp / f"{case.name}-{side}.json"
     cmd = [
         sys.executable,
@@ -57,13 +58,17 @@ def run_side(side: str, case: Case, args: argparse.Namespace, tmp: Path) -> dict
         str(out),
     ]
     env = {**os.environ, "PYTHONPATH": path_with(ROOT)}
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within --timeout {args.timeout:g} s", "failed": True}
-    if proc.returncode != 0 or not out.exists():
-        sys.stderr.write(f"\n{case.name} {side} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}\n")
-        return {"error": f"failed (exit {proc.returncode})", "failed": True}
+    if limit_s <= 0:
+        return {"error": f"not run: --budget {args.budget:g} s spent", "failed": True}
+    ran = run_capped(cmd, limit_s, env=env, cwd=ROOT)
+    if ran.returncode is None:
+        if ran.stderr.strip():
+            sys.stderr.write(f"\n{case.name} {side} ran out of time; the end of its stderr:\n{ran.stderr[-4000:]}\n")
+        bound = f"--timeout {args.timeout:g} s" if limit_s >= args.timeout else f"what was left of --budget {args.budget:g} s"
+        return {"error": f"out of time: no result within {limit_s:.1f} s", "detail": f"({bound})", "failed": True}
+    if ran.returncode != 0 or not out.exists():
+        sys.stderr.write(f"\n{case.name} {side} failed (exit {ran.returncode}):\n{ran.stderr[-4000:]}\n")
+        return {"error": f"failed (exit {ran.returncode})", "failed": True}
     return json.loads(out.read_text())
 
 
@@ -125,7 +130,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--updates", type=int, default=5, help="timed updates per side")
     ap.add_argument("--warmup", type=int, default=2, help="untimed updates first")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense peak for MFU (H100 SXM bf16: 989)")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one side may take")
+    # Both bounds fit the GPU check's bench stage (../shared/gpu/check.sh caps it at 270 s) and a 10-minute run:
+    # a hung side costs --timeout, and the table is still printed before the stage's cap kills the run.
+    ap.add_argument("--timeout", type=float, default=110.0, help="seconds one side may take (it is killed then)")
+    ap.add_argument("--budget", type=float, default=250.0, help="seconds all sides together may take; a side gets what is left")
     ap.add_argument("--smoke", action="store_true", help="the tiny case on the CPU, 1 warm-up + 2 timed updates")
     args = ap.parse_args()
     if args.smoke:
@@ -136,8 +144,8 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--cases: unknown {unknown} (known: {', '.join(CASES)})")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (use --smoke or --device cpu)")
-    if args.updates < 1 or args.warmup < 0 or args.peak_tflops <= 0:
-        ap.error("--updates must be >= 1, --warmup >= 0, --peak-tflops > 0")
+    if args.updates < 1 or args.warmup < 0 or args.peak_tflops <= 0 or args.timeout <= 0 or args.budget <= 0:
+        ap.error("--updates must be >= 1, --warmup >= 0, --peak-tflops, --timeout and --budget > 0")
     return args
 
 
@@ -145,10 +153,12 @@ def main() -> None:
     args = parse_args()
     cases = [CASES[name] for name in args.cases]
     results: dict[tuple[str, str], dict] = {}
+    deadline = time.monotonic() + args.budget
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             for side in SIDES:
-                r = results[case.name, side] = run_side(side, case, args, Path(tmp))
+                limit = min(args.timeout, deadline - time.monotonic())
+                r = results[case.name, side] = run_side(side, case, args, Path(tmp), limit)
                 done = (
                     f"{r['error']} {r.get('detail', '')}".strip()
                     if "error" in r

@@ -5,6 +5,8 @@ the network-namespace tests start and stop the learner and actors the same way.
                      engine-core and workers) share one process group
     stop(procs)  ->  SIGTERM to each group, GRACE_S to exit, then SIGKILL to each group (it also reaps
                      what a child left behind in its group), then reap the children
+    run_capped(argv, timeout_s)  ->  run to the end with output captured, or SIGKILL the whole group at the
+                     limit: a test's or a benchmark's child (torchrun and its ranks) never outlives its time
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 GRACE_S = 20.0  # how long a child gets to exit after SIGTERM before SIGKILL
@@ -62,3 +65,28 @@ def stop(procs: Iterable[subprocess.Popen], grace_s: float = GRACE_S) -> None:
             p.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    returncode: int | None  # None: it ran out of time and its process group was killed
+    stdout: str
+    stderr: str  # everything it wrote, up to the kill when it ran out of time
+
+
+def run_capped(argv: list[str], timeout_s: float, env: dict[str, str] | None = None, cwd: str | Path | None = None) -> Ran:
+    """Run `argv` (with exactly `env`, default this environment) in its own process group until it exits or
+    `timeout_s` passes; then SIGKILL the whole group. subprocess.run's own timeout kills only the child: torchrun's
+    ranks would live on, holding their GPU and a communicator the next test could meet."""
+    p = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+        return Ran(p.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        signal_group(p, signal.SIGKILL)
+    try:
+        out, err = p.communicate(timeout=10)  # the pipes close once the group is dead
+    except subprocess.TimeoutExpired:  # something left the group and holds them: what was written is lost
+        p.kill()
+        out, err = "", ""
+    return Ran(None, out, err)

@@ -209,20 +209,30 @@ def start_hub():
         hub.stop()
 
 
-def torchrun_driver(driver: str, nproc: int, out: Path, *args: str, accelerator: str = "cpu", timeout: float = 600) -> dict:
-    """Run tests/drivers/`driver` as `nproc` learner ranks under torchrun (a free rendezvous port) and return the
-    JSON it wrote to `out`; a failed run fails the test with the end of its stderr."""
-    import json
-    import subprocess
+# torchrun_driver's default limit per run. On a GPU: the tiny model's run, twice in one test (a module fixture's and
+# the test's own), must fit the GPU check's 150 s per test (../shared/gpu/check.sh), so a hang is reported here and
+# not by pytest-timeout. On the CPU: a multi-rank run on 2 loaded cores, well inside a 10-minute run.
+TORCHRUN_LIMIT_S = {"cuda": 70.0, "cpu": 300.0}
 
+
+def torchrun_driver(driver: str, nproc: int, out: Path, *args: str, accelerator: str = "cpu", timeout: float | None = None) -> dict:
+    """Run tests/drivers/`driver` as `nproc` learner ranks under torchrun (a free rendezvous port) and return the
+    JSON it wrote to `out`; a failed run fails the test with the end of its stderr, one out of time (`timeout`,
+    default TORCHRUN_LIMIT_S) with one line naming the driver and the limit, its ranks killed with it."""
+    import json
+
+    from deploy.procs import run_capped
     from protocol.net import free_port
 
+    limit = TORCHRUN_LIMIT_S[accelerator] if timeout is None else timeout
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
            str(ROOT / "tests" / "drivers" / driver), *args]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": accelerator, "HF_HUB_OFFLINE": "1"}
     if accelerator == "cpu":
         env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_capped(cmd, limit, env=env)
+    if proc.returncode is None:
+        pytest.fail(f"torchrun {driver} ({nproc} ranks, {accelerator}): out of time, no result within {limit:g} s\n{proc.stderr[-3000:]}")
     if proc.returncode != 0 and out.exists() and GLOO_TEARDOWN_ABORT in proc.stderr:
         # The drivers write their result, then every rank passes a barrier: all of them finished. gloo, now and then,
         # aborts a finished rank as its process ends (learner/train/distributed.py): not what these tests are about.

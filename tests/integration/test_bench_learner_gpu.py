@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 from conftest import ROOT
 
@@ -70,3 +71,25 @@ def test_smoke_reports_every_figure(tmp_path):
     assert weights[7] == "gloo" and weights[4] == "cpu", weights
     text = proc.stdout
     assert "world size 1" in text and "call path, not a link" in text
+
+
+def test_a_side_out_of_time_is_one_line_and_a_failed_run():
+    """--timeout and --budget bound each side (the GPU check's bench stage has a cap of its own): a side that runs
+    out of time is killed and named in one line with the bound it hit; the table is printed all the same."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.learner_gpu", "--smoke", "--timeout", "0.5", "--budget", "0.8"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    # No side starts, imports torch and finishes a model in half a second: the first is killed at --timeout, the
+    # second gets the 0.3 s left of --budget, and nothing is left for a third.
+    assert lines[0] == "tiny FleetRL: out of time: no result within 0.5 s (--timeout 0.5 s)", lines[:2]
+    second = (
+        r"tiny plain PyTorch: (out of time: no result within 0\.\d s \(what was left of --budget 0\.8 s\)|not run: --budget 0\.8 s spent)"
+    )
+    assert re.fullmatch(second, lines[1]), lines[:2]
+    assert SPEED_HEADER in lines and WEIGHT_HEADER in lines
+    assert time.monotonic() - t0 < 60  # killed, not waited for

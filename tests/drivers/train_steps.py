@@ -85,6 +85,7 @@ def main() -> None:
                     "weight_sum": float(weights.double().sum()),
                     "weight_abs": float(weights.double().abs().sum()),
                     "world": topo.world,
+                    "grad_accum_dtype": str(trainer.engine.get_data_types()[1]),  # what DeepSpeed sums micro-batches in
                 }
             )
         )

@@ -76,27 +76,31 @@ def chat_continuation(tokenizer: Any, messages: list[dict[str, str]], model_eos_
     return tail + after[len(before) :]
 
 
+def turn_sampling(s: Sampling) -> Sampling:
+    """A turn's text keeps the stop string that ended it (a tool call's closing tag), whatever the config says."""
+    return Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, include_stop_str=True)
+
+
 class EpisodeRunner:
     """Runs episodes on one engine with one environment class; many at once (each a task of the actor's loop)."""
 
     def __init__(self, cfg: Config, engine: Any, env_cls: type, sampling: Sampling):
         self.cfg, self.engine, self.env_cls = cfg, engine, env_cls
         r = cfg.rollout
-        # A turn's text must keep the stop string that ended it (a tool call's closing tag): include it.
-        self.sampling = Sampling(
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, stop=sampling.stop, include_stop_str=True
-        )
+        self.sampling = turn_sampling(sampling)
         self.timeout_s, self.max_turns, self.turn_tokens = r.env_timeout_s, r.max_turns, r.max_tokens
 
-    async def run(self, prompt_tokens: np.ndarray, row: EpisodeRow) -> Episode:
+    async def run(self, prompt_tokens: np.ndarray, row: EpisodeRow, sampling: Sampling | None = None) -> Episode:
+        """One episode; `sampling` (default rollout's) for an evaluation's."""
         ep = Episode()
+        turns = turn_sampling(sampling) if sampling is not None else self.sampling
         budget = episode_budget(len(prompt_tokens), self.cfg.rollout.max_episode_tokens, self.cfg.actor.max_model_len)
         prompt = [int(t) for t in prompt_tokens]
         env = None
         try:
             while True:
                 room = budget - len(ep.token_ids)
-                turn = await self._generate(prompt + ep.token_ids, min(self.turn_tokens, room))
+                turn = await self._generate(prompt + ep.token_ids, min(self.turn_tokens, room), turns)
                 ep.add(turn.token_ids.tolist(), turn.logprobs.tolist(), "model", turn.text)
                 ep.turns += 1
                 # Built after the first turn: an episode its constructor ends still has a token, which the hub
@@ -128,8 +132,8 @@ class EpisodeRunner:
             ep.finish_reason, ep.error = ENV_ERROR, first_line(e)
         return ep
 
-    async def _generate(self, ids: list[int], max_tokens: int) -> Completion:
-        (turn,) = await self.engine.generate_group(np.asarray(ids, np.int32), 1, sampling=self.sampling, max_tokens=max_tokens)
+    async def _generate(self, ids: list[int], max_tokens: int, sampling: Sampling) -> Completion:
+        (turn,) = await self.engine.generate_group(np.asarray(ids, np.int32), 1, sampling=sampling, max_tokens=max_tokens)
         return turn
 
     async def _call(self, ep: Episode, fn: Any, *args: Any) -> Any:

@@ -139,35 +139,48 @@ class Rollouts:
             env_timeouts=sum(e.timed_out for e in episodes),
         )
 
-    async def _episode_scores(self, grant: m.WorkGrant, episodes: list[Episode]) -> GroupScores:
+    async def _episode_scores(self, grant: m.WorkGrant | m.EvalGrant, episodes: list[Episode]) -> GroupScores:
         """The environment's rewards where every episode has one; else rollout.reward_fn on each episode's whole
         text, the environment's reward taking its place where there is one."""
         given = [e.reward for e in episodes]
         if all(r is not None for r in given):
             return assemble([Outcome(float(r or 0.0), {}) for r in given])
-        scores = await self.score_texts(grant, [(e.completion_text, e.finish_reason) for e in episodes], "train")
+        split = grant.split if isinstance(grant, m.EvalGrant) else "train"
+        scores = await self.score_texts(grant, [(e.completion_text, e.finish_reason) for e in episodes], split)
         for i, r in enumerate(given):
             if r is not None:
                 scores.rewards[i] = r
         return scores
 
     async def eval_result(self, grant: m.EvalGrant, actor_id: str, served: Callable[[], int]) -> m.EvalResult:
-        """The hub sends no newer weights during a round, so version_min == version_max == grant.policy_version."""
+        """The hub sends no newer weights during a round, so version_min == version_max == grant.policy_version.
+        With rollout.env each completion is an episode (not seeded: an episode's turns are requests of their own);
+        one its environment ended by failing scores 0."""
         version_min = served()
         t0 = time.perf_counter()
-        completions = await self.engine.generate_group(
-            grant.prompt_tokens, grant.n, seed=grant.seed, sampling=Sampling.evaluation(self.cfg, grant.temperature)
-        )
-        gen_s = time.perf_counter() - t0
-        scores = await self.score(grant, completions, grant.split)
+        sampling = Sampling.evaluation(self.cfg, grant.temperature)
+        if self.episodes is not None:
+            row = EpisodeRow(prompt=grant.prompt, answer=grant.answer, metadata=self._metadata(grant, grant.split))
+            episodes = await asyncio.gather(*(self.episodes.run(grant.prompt_tokens, row, sampling) for _ in range(grant.n)))
+            for e in episodes:
+                if e.error is not None:
+                    e.finish_reason, e.reward = "length", 0.0
+            gen_s = time.perf_counter() - t0
+            scores = await self._episode_scores(grant, episodes)
+            lengths, finish = [len(e.token_ids) for e in episodes], [e.finish_reason for e in episodes]
+        else:
+            completions = await self.engine.generate_group(grant.prompt_tokens, grant.n, seed=grant.seed, sampling=sampling)
+            gen_s = time.perf_counter() - t0
+            scores = await self.score(grant, completions, grant.split)
+            lengths, finish = [len(c.token_ids) for c in completions], [c.finish_reason for c in completions]
         return m.EvalResult(
             actor_id=actor_id,
             eval_round=grant.eval_round,
             split=grant.split,
             prompt_id=grant.prompt_id,
-            lengths=np.asarray([len(c.token_ids) for c in completions], dtype=np.int32),
+            lengths=np.asarray(lengths, dtype=np.int32),
             rewards=scores.rewards,
-            finish_reasons=[c.finish_reason for c in completions],
+            finish_reasons=finish,
             version_min=version_min,
             version_max=served(),
             gen_s=gen_s,

@@ -38,6 +38,8 @@ def test_tool_demo_trains_episodes_token_exact(tmp_path):
         "staleness.max_staleness=1",
         f"hub.bind=tcp://127.0.0.1:{free_port()}",
         "log.samples_every_steps=3",
+        "data.val_fraction=0.002",  # 8 held-out sums, evaluated greedily as episodes every 3 updates
+        "eval.every_steps=3",
         "demo.warmstart_steps=150",  # a shorter warm start than the demo's (built once, cached): it calls the tool less
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -49,6 +51,8 @@ def test_tool_demo_trains_episodes_token_exact(tmp_path):
     assert all(1 <= r["env/turns_mean"] <= 3 and r["env/errors"] == 0 for r in rows)
     calls = sum(r["env/tool_use_share"] for r in rows)
     assert calls > 0 and any(r["env/obs_token_share"] > 0 for r in rows)  # the warm-started model calls the tool
+    evals = [r for r in rows if "eval/val/reward_mean" in r]
+    assert [r["step"] for r in evals] == [3, 6] and all(r["eval/val/prompts"] == 8 and r["eval/partial"] == 0 for r in evals)
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     episodes = [c for x in samples for c in x["completions"]]
     assert episodes and all(c["turns"][0]["role"] == "model" for c in episodes)

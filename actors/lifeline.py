@@ -25,7 +25,8 @@ How it fails:
 - Linux only (prctl): elsewhere `attach` does nothing.
 
 Stopping (`stop_on_signals`). SIGTERM or SIGINT asks the actor to stop cleanly, and a thread ends it `grace_s`
-later if it has not: SIGKILL to every descendant, then exit 128 + the signal. The clean stop cannot begin while
+later if it has not: SIGKILL to every descendant, then exit 128 + the signal. A SIGINT on top (Ctrl-C twice) ends
+it at once; another SIGTERM does not (a scheduler's cancel often delivers two). The clean stop cannot begin while
 vLLM starts (its start blocks the event loop), and a weight sync or a dead engine can hold it up: an actor once
 sat in its warm-up with its engine core gone (the launcher's SIGTERM reaches the whole process group) until the
 launcher's SIGKILL. The signal handler runs on the main thread between two bytecodes, so a main thread stuck
@@ -41,6 +42,7 @@ import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 ENV = "FLEETRL_LIFELINE"  # the pid of the process (the actor) whose death must end this one
@@ -141,7 +143,8 @@ def kill_descendants() -> int:
 
 def stop_on_signals(request_stop: Callable[[int], None], grace_s: float, overdue: Callable[[int, int], None]) -> None:
     """From now on SIGTERM and SIGINT call `request_stop(signum)` (the first time), and if this process is still
-    alive `grace_s` later, or at a second signal, every descendant is SIGKILLed and it exits 128 + signum.
+    alive `grace_s` later, or at a SIGINT after the first signal, every descendant is SIGKILLed and it exits 128 +
+    the first signal. More SIGTERMs change nothing: they are the same stop.
 
     `request_stop` runs in a signal handler, on the main thread between two bytecodes of whatever it was doing:
     keep it to a flag or `loop.call_soon_threadsafe`. `overdue(signum, killed)` reports the hard stop (it gets one
@@ -160,7 +163,13 @@ def stop_on_signals(request_stop: Callable[[int], None], grace_s: float, overdue
 
     def deadline() -> None:
         signum = os.read(read_fd, 1)[0]
-        select.select([read_fd], [], [], grace_s)  # a second signal cuts the grace short
+        end = time.monotonic() + grace_s
+        # A repeated SIGTERM is the same stop, not "kill now": Slurm's scancel signals every process of a step and the
+        # launcher (deploy/actors.sh) signals the actor's group too, so one cancel delivers two SIGTERMs milliseconds
+        # apart. A SIGINT on top of a stop (Ctrl-C twice) cuts the grace short.
+        while (left := end - time.monotonic()) > 0:
+            if select.select([read_fd], [], [], left)[0] and os.read(read_fd, 1)[0] == signal.SIGINT:
+                break
         killed = kill_descendants()
         reporter = threading.Thread(target=overdue, args=(signum, killed), name="stop-overdue-report", daemon=True)
         reporter.start()

@@ -236,6 +236,11 @@ class Actor:
             if (death := self.engine.death()) is not None:  # EngineDeadError in a grant or sync: a consequence, not the cause
                 self._engine_died(death)
                 return
+            if self.stop_signal is not None:
+                # The stop signal reached the engine core too (Slurm's scancel signals every process of the step): a
+                # sync or grant it ends ("Server shutting down") is part of the stop, not a failure.
+                self.log.info("actor.task_ended_by_stop", error=repr(exc))
+                return
             self.log.error("actor.task_failed", error=repr(exc), exc_info=exc)
             self.exit_code = 1
             self.stop.set()

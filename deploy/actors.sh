@@ -16,9 +16,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$learner" ] && [ -n "$config" ] || { echo "usage: $0 --learner tcp://HOST:PORT --config CONFIG [--count N] [--gpus-per-actor G]" >&2; exit 2; }
-host="$(hostname)"
+# Actor ids must be unique in the fleet (the hub keeps one connection per id; each id has its own log file): under
+# Slurm two jobs' steps may share a node, so the id names the job and step too.
+prefix="$(hostname)-${SLURM_JOB_ID:+j$SLURM_JOB_ID.${SLURM_STEP_ID:-0}-}"
 actor_cmd() {  # sets `cmd` to actor $1's command line
-  cmd=("$py" -m deploy.cli actor --learner "$learner" --config "$config" --id "$host-a$1" "${extra[@]}")
+  cmd=("$py" -m deploy.cli actor --learner "$learner" --config "$config" --id "${prefix}a$1" "${extra[@]}")
   if [ "$gpus" -gt 0 ]; then
     cmd=(env CUDA_VISIBLE_DEVICES="$(seq -s, $(($1 * gpus)) $(($1 * gpus + gpus - 1)))" "${cmd[@]}")
   fi
@@ -29,7 +31,9 @@ if dry; then
 fi
 pids=()
 stop_all() { for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done; }
-trap 'stop_all; exit 130' INT TERM HUP  # HUP: the ssh session of deploy/fleet.sh closed
+# HUP: the ssh session of deploy/fleet.sh closed. Wait for the actors' clean stop (their own grace bounds it): under
+# srun, a task that exits first has the rest of its step killed.
+trap 'stop_all; wait; exit 130' INT TERM HUP
 for i in $(seq 0 $((count - 1))); do
   actor_cmd "$i"
   setsid "${cmd[@]}" &  # own process group: an actor owns vLLM's engine processes

@@ -14,6 +14,12 @@ import sys
 from protocol.config import Config, ConfigError, load_config
 
 
+def gpu_fleet(cfg: Config) -> bool:
+    """Whether the fleet's nodes need GPUs. Learner rank 0 and every actor share one weight group, NCCL or gloo: a
+    CPU actor (actor.device = "cpu") means a CPU learner too, and "auto" on a Slurm cluster means CUDA."""
+    return cfg.actor.device != "cpu"
+
+
 def job_env(cfg: Config) -> dict[str, str]:
     c = cfg.cluster
     if c.actor_gpus_per_node % c.tensor_parallel_size:
@@ -32,6 +38,8 @@ def job_env(cfg: Config) -> dict[str, str]:
         "FLEETRL_RUN_DIR": cfg.run.dir,
         "FLEETRL_HUB_PORT": port,
         "FLEETRL_CURVE_KEYS": "given" if cfg.auth.server_secret else "",  # else the job makes them (fleet.sbatch)
+        "FLEETRL_NEEDS_GPUS": "1" if gpu_fleet(cfg) else "0",
+        "FLEETRL_ACTOR_DEVICE": cfg.actor.device,
     }
 
 

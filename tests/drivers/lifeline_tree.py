@@ -5,6 +5,8 @@ lifeline_tree.py tree         a root with children: spawned (which spawns a gran
                               all are up, then sleeps.
 lifeline_tree.py stop GRACE   a root whose main thread never acts on a stop request (stuck, as during vLLM's engine
                               start), with a child; prints "ready CHILD_PID", then on the deadline "overdue SIGNUM KILLED".
+lifeline_tree.py clean GRACE  a root that stops cleanly half a second after a stop request (an actor closing its
+                              engine): prints "ready PID", then "stopping SIGNUM" and exits 0.
 """
 
 from __future__ import annotations
@@ -58,8 +60,22 @@ def stop(grace_s: float) -> None:
         time.sleep(0.01)
 
 
+def clean(grace_s: float) -> None:
+    lifeline.root()
+    requested: list[int] = []
+    lifeline.stop_on_signals(requested.append, grace_s, lambda signum, killed: print(f"overdue {signum} {killed}", flush=True))
+    print(f"ready {os.getpid()}", flush=True)
+    while not requested:
+        time.sleep(0.01)
+    print(f"stopping {requested[0]}", flush=True)
+    time.sleep(0.5)  # the clean stop's own work
+    sys.exit(0)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "tree":
         tree()
+    elif sys.argv[1] == "clean":
+        clean(float(sys.argv[2]))
     else:
         stop(float(sys.argv[2]))

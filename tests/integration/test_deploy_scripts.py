@@ -2,7 +2,7 @@
 starting it) under the environment Slurm or a shell would give them. The srun, torchrun and ssh command lines
 are checked, torchrun's with torch's own argument parser and every override with the real config loader.
 
-Slurm is not installed here: the templates are untested on a real cluster (see deploy/slurm/*.sbatch).
+The same scripts run under a real Slurm in tests/slurm/ (where root and apt are available).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_hetjob_renders_the_learner_group_and_the_actor_nodes(config, tmp_path):
     learner, actors = render(ROOT / "deploy/slurm/fleet.sbatch", [str(config), "train.lr=0.001"], slurm, tmp_path)
     run_dir = str(tmp_path / "run")
     hub = "tcp://10.1.2.3:6000"  # the config's hub port on learner node 0's address
-    assert (tmp_path / "run" / "hub_address").read_text() == hub + "\n"  # for add_actors.sbatch
+    assert not (tmp_path / "run" / "hub_address").exists()  # a preview: no learner will be behind it
     common = [f"run.dir={run_dir}", f"hub.bind={hub}", "weights.host=10.1.2.3"]
 
     # Component 0: one task per node; any rank failing kills the step (the learner group is all or nothing).
@@ -120,6 +120,22 @@ def test_hetjob_renders_the_learner_group_and_the_actor_nodes(config, tmp_path):
         assert cmd[:5] == [sys.executable, "-m", "deploy.cli", "actor", "--learner"] and cmd[5] == hub
         assert cmd[6:8] == ["--config", str(config)] and cmd[8] == "--id" and cmd[9].endswith(f"-a{i}")
         assert load_config(config, cmd[10:]).run.dir == run_dir  # the actors log into the shared run directory
+
+
+def test_actor_ids_are_unique_across_slurm_jobs_on_one_node(config, tmp_path):
+    """Two jobs' actors.sh on one node (two add_actors jobs, say) named their actors `$(hostname)-aN` alike: the hub
+    took each for the other (one connection per id) and both wrote one log file. Under Slurm the id names the
+    job and the step."""
+    args = ["--learner", "tcp://10.1.2.3:6000", "--config", str(config), "--count", "2"]
+    ids = {}
+    for job, step in (("41", "0"), ("42", "0"), ("42", "1")):
+        lines = render(ROOT / "deploy/actors.sh", args, {"SLURM_JOB_ID": job, "SLURM_STEP_ID": step}, tmp_path)
+        ids[job, step] = [line[line.index("--id") + 1] for line in lines]
+    every = [i for v in ids.values() for i in v]
+    assert len(set(every)) == len(every) == 6, ids
+    assert all(i.endswith(f"-j{job}.{step}-a{n}") for (job, step), v in ids.items() for n, i in enumerate(v))
+    (plain,) = render(ROOT / "deploy/actors.sh", [*args[:4], "--count", "1"], {}, tmp_path)
+    assert plain[plain.index("--id") + 1].endswith("-a0") and "-j" not in plain[plain.index("--id") + 1]  # without Slurm
 
 
 def test_hetjob_refuses_an_allocation_that_does_not_match_the_config(config, tmp_path):

@@ -4,7 +4,8 @@
 - A child forked from another thread is not attached: that thread's end does not kill it.
 - A child whose actor is gone before it attaches kills itself; one whose actor is an ancestor carries on.
 - A stop signal to a root whose main thread never acts on it ends the root and its children after the grace,
-  exit 128 + the signal; a second signal cuts the grace short.
+  exit 128 + the signal; a SIGINT on top cuts the grace short, a second SIGTERM does not (it is the same stop).
+- A root that stops cleanly does so under two SIGTERMs milliseconds apart, as Slurm's scancel delivers them.
 The same with a real actor and its vLLM engine: tests/integration/test_actor_exit.py.
 """
 
@@ -87,23 +88,43 @@ def test_a_child_whose_actor_is_gone_kills_itself_as_it_attaches(actor_is_ancest
         assert (child.returncode, child.stdout) == (-signal.SIGKILL, ""), child.stderr
 
 
-@pytest.mark.parametrize("signals", [1, 2])
+TERM, INT = signal.SIGTERM, signal.SIGINT
+
+
+@pytest.mark.parametrize("signals", [(TERM,), (TERM, TERM), (INT, INT), (TERM, INT)], ids=["TERM", "TERM-TERM", "INT-INT", "TERM-INT"])
 def test_a_stop_signal_ends_a_stuck_root_and_its_children(signals):
-    grace_s = 1.5 if signals == 1 else 30.0  # two signals: the second one must not wait for the grace
+    forced = INT in signals[1:]  # Ctrl-C twice ends it at once; a repeated SIGTERM is the same stop and waits out the grace
+    grace_s = 30.0 if forced else 1.5
     root = start("stop", str(grace_s))
     try:
         word, child_pid = root.stdout.readline().split()
         assert word == "ready"
         child = psutil.Process(int(child_pid))
         t0 = time.monotonic()
-        for _ in range(signals):
-            os.kill(root.pid, signal.SIGTERM)
+        for sig in signals:
+            os.kill(root.pid, sig)
             time.sleep(0.2)
-        assert root.wait(grace_s + 5) == 128 + signal.SIGTERM
+        assert root.wait(grace_s + 5) == 128 + signals[0]
         took = time.monotonic() - t0
-        assert (grace_s <= took < grace_s + 2) if signals == 1 else took < 2, took
-        assert root.stdout.read() == f"overdue {int(signal.SIGTERM)} 1\n"
+        assert took < 2 if forced else grace_s <= took < grace_s + 2, took
+        assert root.stdout.read() == f"overdue {int(signals[0])} 1\n"
         assert not still_alive_after([child], 1.0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(root.pid, signal.SIGKILL)
+
+
+def test_two_sigterms_at_once_are_one_clean_stop():
+    """scancel signals every process of a Slurm step and deploy/actors.sh signals the actor's group: two SIGTERMs
+    milliseconds apart. Before, the second was taken as "kill now" and the actor logged actor.stop_overdue."""
+    root = start("clean", "8")
+    try:
+        assert root.stdout.readline().split()[0] == "ready"
+        os.kill(root.pid, TERM)
+        time.sleep(0.005)
+        os.kill(root.pid, TERM)
+        assert root.wait(10) == 0
+        assert root.stdout.read() == f"stopping {int(TERM)}\n"  # no "overdue": the clean stop ran to its end
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(root.pid, signal.SIGKILL)

@@ -3,7 +3,8 @@
 Used to test the hub (admission, the staleness check, leases, the ledger) without
 starting vLLM. `lie_every`: every n-th group claims a version older than the bound
 allows, as a buggy or hostile actor would; the hub must never let it be trained.
-Eval grants are answered with `eval_reward(split, prompt_id)` per completion;
+It heartbeats every `heartbeat_s` as the actor does (an actor the hub has not heard from for hub.silent_s gets
+no grants until it is heard from again). Eval grants are answered with `eval_reward(split, prompt_id)` per completion;
 `die_on_eval` makes the actor vanish (no reply, no more heartbeats) on its first
 eval grant, as a crashed actor would.
 """
@@ -35,7 +36,7 @@ class ScriptedActor:
         seed: int,
         lie_every: int = 0,
         lie_by: int = 0,
-        heartbeat_s: float = 0.0,
+        heartbeat_s: float = 1.0,
         eval_reward: Callable[[str, int], float] = lambda split, pid: 1.0,
         die_on_eval: bool = False,
         keys: ClientKeys | None = None,

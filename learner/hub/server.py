@@ -184,7 +184,8 @@ class Hub:
     def send_weight_sync(self, members: list[str], make: Callable[[str], m.WeightSync]) -> None:
         """Send `make(actor_id)` (a WeightSync, its ranks chosen by the sender) to each member."""
         with self.cond:
-            outs = [Out(s.identity, make(a), reply=False) for a in members if (s := self.state.actors.get(a)) is not None]
+            order = self.state.sync_order(members)  # least recently granted first: they report first, and are granted first
+            outs = [Out(s.identity, make(a), reply=False) for a in order if (s := self.state.actors.get(a)) is not None]
         self._thread.send(outs, timeout_s=30)
 
     def snapshot(self) -> dict[str, float]:

@@ -203,7 +203,10 @@ class HubThread:
     async def _send(self, identity: bytes, msg: m.Message) -> bool:
         assert self._sock is not None, "hub socket used before bind"
         try:
-            await asyncio.wait_for(transport.send(self._sock, msg, identity), timeout=SEND_TIMEOUT_S)
+            try:  # at once when its queue has room (nearly always): a timed wait costs a task per message
+                await transport.send(self._sock, msg, identity, flags=zmq.NOBLOCK)
+            except zmq.Again:  # its queue is full: wait for room, a while
+                await asyncio.wait_for(transport.send(self._sock, msg, identity), timeout=SEND_TIMEOUT_S)
             return True
         except (zmq.ZMQError, TimeoutError) as e:  # EHOSTUNREACH: the peer is gone
             with self.cond:

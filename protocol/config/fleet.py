@@ -53,6 +53,10 @@ class HubConfig:
     max_frame_bytes: int = 64 << 20  # frames larger than this are rejected before decoding
     heartbeat_s: float = 2.0  # actor heartbeat period
     actor_timeout_s: float = 30.0  # an actor silent this long is declared dead
+    # An actor silent this long (a hung process keeps its socket open) loses its leases: they go back to the queue
+    # (it may still deliver them late), so that admission does not count them until actor_timeout_s. A few missed
+    # heartbeats: an actor heartbeats even while it generates.
+    silent_s: float = 4.0
     quarantine_after: int = 3  # refused groups within quarantine_window_s that get an actor quarantined (0 = never)
     quarantine_window_s: float = 600.0  # the window those refusals are counted over
     # how long a quarantined actor's id and connection are refused (a --resume keeps the time left; a fresh learner forgets it)
@@ -61,6 +65,11 @@ class HubConfig:
     def __post_init__(self) -> None:
         need(tcp_port(self.bind) is not None, "hub.bind", f"{self.bind!r} must be tcp://HOST:PORT, PORT in 1-65535")
         need(self.hwm >= 1, "hub.hwm", "must be >= 1")
+        need(
+            self.silent_s > self.heartbeat_s,
+            "hub.silent_s",
+            f"must be > hub.heartbeat_s ({self.heartbeat_s}): a live actor is heard that often",
+        )
         need(self.quarantine_after >= 0, "hub.quarantine_after", "must be >= 0 (0 = never)")
         need(self.quarantine_window_s > 0, "hub.quarantine_window_s", "must be > 0")
         need(self.quarantine_s > 0, "hub.quarantine_s", "must be > 0")

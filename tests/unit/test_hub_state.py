@@ -106,7 +106,7 @@ def test_rejections_give_the_prompt_back_at_once(prompts):
 
 
 def test_silent_actor_and_expired_lease_requeue_their_prompts(prompts):
-    state = hub(prompts)
+    state = hub(prompts, "hub.silent_s=8")  # a0 last heard at 6: its leases run out at 10 before it counts as silent
     register(state)
     register(state, B, "a1", now=0.0)
     state.handle(A, m.WorkRequest(actor_id="a0", max_prompts=2), 0.0)

@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Any
 
 Key = tuple[int, int]  # (epoch, prompt_id)
+LAPSES = ("lease", "dead", "silent")  # requeue reasons after which the holder may still deliver late
 
 
 class State(Enum):
@@ -57,6 +58,9 @@ class Ledger:
         self.seed = seed
         self.entries: dict[Key, Entry] = {}
         self.queue: deque[Key] = deque()  # pending keys; may hold keys no longer pending (skipped on pop)
+        # The keys in state granted, in grant order: admission's count of leases and the lease check read this, not
+        # every entry (the entries grow by a pass over the data each epoch; the hub asks on every message).
+        self.granted: dict[Key, None] = {}
         self.epochs_opened = 0
         self.counts: Counter[str] = Counter()  # requeued_stale, requeued_lease, requeued_dead, duplicates
 
@@ -86,6 +90,7 @@ class Ledger:
         entry = self.entries[key]
         assert entry.state is State.PENDING, f"grant of {key} in state {entry.state}"
         entry.state, entry.actor, entry.deadline = State.GRANTED, actor, deadline
+        self.granted[key] = None
 
     def may_deliver(self, key: Key, actor: str) -> bool:
         """Whether a result from `actor` for `key` is its to give: granted to it now, or a late result of a grant
@@ -104,17 +109,19 @@ class Ledger:
             self.counts["duplicates"] += 1
             return False
         assert entry.state is State.GRANTED or entry.lapsed, f"receive of {key}: never granted"
+        self.granted.pop(key, None)
         entry.state, entry.actor, entry.lapsed = State.RECEIVED, None, ()
         return True
 
     def requeue(self, key: Key, reason: str, front: bool = True) -> None:
         """Back to pending, at the front of the queue (it has waited longest), or at its back (`front=False`: the
         prompt itself may be why it came back, and must not take the next grant again). A grant that lapsed (its
-        lease ran out, its actor was declared dead) leaves that actor free to deliver it late."""
+        lease ran out, its actor was declared dead or went silent) leaves that actor free to deliver it late."""
         entry = self.entries[key]
         assert entry.state in (State.GRANTED, State.RECEIVED), f"requeue of {key} in state {entry.state}"
         holder = entry.actor
-        if entry.state is State.GRANTED and reason in ("lease", "dead") and holder is not None and holder not in entry.lapsed:
+        self.granted.pop(key, None)
+        if entry.state is State.GRANTED and reason in LAPSES and holder is not None and holder not in entry.lapsed:
             entry.lapsed = (*entry.lapsed, holder)
         entry.state, entry.actor = State.PENDING, None
         (self.queue.appendleft if front else self.queue.append)(key)
@@ -127,14 +134,14 @@ class Ledger:
 
     def expire(self, now: float) -> list[Key]:
         """Requeue every grant whose lease passed."""
-        expired = [k for k, e in self.entries.items() if e.state is State.GRANTED and e.deadline <= now]
+        expired = [k for k in self.granted if self.entries[k].deadline <= now]
         for key in expired:
             self.requeue(key, "lease")
         return expired
 
     def release_actor(self, actor: str) -> list[Key]:
         """Requeue every grant held by a dead actor."""
-        held = [k for k, e in self.entries.items() if e.state is State.GRANTED and e.actor == actor]
+        held = [k for k in self.granted if self.entries[k].actor == actor]
         for key in held:
             self.requeue(key, "dead")
         return held

@@ -27,6 +27,7 @@ class ActorState:
     key: str | None = None  # name of the CURVE key that registered it (None: CURVE off); only that key may replace it
     arrivals: deque[float] = field(default_factory=deque)  # accept times, last RATE_WINDOW_S (samples/s)
     devices: list[str] = field(default_factory=lambda: [""])  # Register.devices: its weight-group ranks' devices
+    silent: bool = False  # not heard from for hub.silent_s: its leases go back to the queue (HubState.tick)
 
     def note_arrival(self, now: float) -> None:
         """An accepted group; keeps only RATE_WINDOW_S of history."""

@@ -37,6 +37,7 @@ class Registry:
         self.cfg, self.quarantine, self.updates, self.counters, self.give_back = cfg, quarantine, updates, counters, give_back
         self.log = get_logger()
         self.actors: dict[str, ActorState] = {}
+        self.quiet = 0  # of them silent past hub.silent_s (ActorState.silent)
         # Who is told when an actor registers or is removed (the weight sender): fn(actor_id, joined).
         self.listeners: list[Callable[[str, bool], None]] = []
 
@@ -85,6 +86,10 @@ class Registry:
         if state is None or state.identity != identity:
             return None
         state.last_seen = now
+        if state.silent:
+            state.silent = False
+            self.quiet -= 1
+            self.log.info("hub.actor_heard_again", actor=actor_id)
         return state
 
     def unknown(self, identity: bytes, actor_id: str) -> list[Out]:
@@ -109,6 +114,7 @@ class Registry:
     def release(self, actor_id: str, why: str, requeue: str = "dead") -> None:
         """Forget an actor and requeue what it held (`requeue`: the ledger's reason; "dead" lets it deliver late)."""
         state = self.actors.pop(actor_id)
+        self.quiet -= state.silent
         requeued = self.give_back(actor_id, state, requeue)
         for fn in self.listeners:
             fn(actor_id, False)
@@ -135,6 +141,23 @@ class Registry:
         for actor_id in [a for a, s in self.actors.items() if now - s.last_seen > self.cfg.hub.actor_timeout_s]:
             self.release(actor_id, "heartbeat timeout")
             self.counters["actors_lost"] += 1
+
+    def silent(self, now: float) -> list[tuple[str, ActorState]]:
+        """The actors silent for longer than hub.silent_s (a hung process, its socket open) that hold leases, or went
+        silent just now: the caller returns their leases to the queue. They stay registered, and may deliver late."""
+        out = []
+        for actor_id, state in self.actors.items():
+            if now - state.last_seen <= self.cfg.hub.silent_s:
+                continue
+            newly = not state.silent
+            if newly:
+                state.silent = True
+                self.quiet += 1
+                self.counters["actors_silent"] += 1
+                self.log.warning("hub.actor_silent", actor=actor_id, silent_s=round(now - state.last_seen, 3), leases=len(state.held))
+            if newly or state.held:
+                out.append((actor_id, state))
+        return out
 
     def lapsed(self, keys: list[Key]) -> None:
         """These leases ran out (the ledger requeued them): no actor holds them any more."""

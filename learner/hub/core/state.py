@@ -1,7 +1,7 @@
 """The hub's logic with no I/O: actor registry, admission, dispatch, batch buffer, eval rounds, export and restore.
 
     (identity, message, now) --handle()--> state changes --> [Out(identity, message), ...] to send
-    now                      --tick()----> heartbeat and lease expiry
+    now                      --tick()----> heartbeat and lease expiry; silent actors' leases back to the queue
     now                      --pump()----> grants, as far as admission control allows
     training thread          --take() / finish_update() / abort_update() / updates.set_max_staleness() / start_eval()
 
@@ -53,6 +53,7 @@ class HubState:
         self.registry = Registry(cfg, self.quarantine, self.updates, self.counters, self._give_back)
         limits = GroupLimits.of(cfg, vocab_size)
         self.groups = Groups(cfg, prompts, limits, self.quarantine, self.updates, self.counters, self.registry.release)
+        self.ready = dispatch.Ready()  # the actors that asked for work, in turn
 
     # ---- what the parts hold, as the handlers, the server, control.py and the tests read it --------------
     @property
@@ -101,8 +102,9 @@ class HubState:
         return self.registry.register(identity, msg, now, key)
 
     def _heartbeat(self, identity: bytes, msg: m.Heartbeat, now: float, key: str | None) -> list[Out]:
-        if self.registry.served(identity, msg.actor_id, msg.served_version, now) is None:
+        if (state := self.registry.served(identity, msg.actor_id, msg.served_version, now)) is None:
             return self.registry.unknown(identity, msg.actor_id)
+        self._wants(msg.actor_id, state)
         return []
 
     def _work_request(self, identity: bytes, msg: m.WorkRequest, now: float, key: str | None) -> list[Out]:
@@ -110,11 +112,13 @@ class HubState:
         if state is None:
             return self.registry.unknown(identity, msg.actor_id)
         state.demand = max(0, msg.max_prompts - len(state.held))  # a capacity (protocol 3), not more room
+        self._wants(msg.actor_id, state)
         return self.pump(now)
 
     def _weight_version(self, identity: bytes, msg: m.WeightVersion, now: float, key: str | None) -> list[Out]:
-        if self.registry.served(identity, msg.actor_id, msg.served_version, now) is None:
+        if (state := self.registry.served(identity, msg.actor_id, msg.served_version, now)) is None:
             return self.registry.unknown(identity, msg.actor_id)
+        self._wants(msg.actor_id, state)  # dropped from the queue while it served an older version
         self.log.debug("hub.actor_synced", actor=msg.actor_id, served=msg.served_version, load_s=round(msg.load_s, 4))
         return self.pump(now)
 
@@ -122,7 +126,9 @@ class HubState:
         state = self.registry.known(msg.actor_id, identity, now)
         if state is None:
             return self.registry.unknown(identity, msg.actor_id)
-        return [*self.groups.receive(identity, state, msg, now, self.ledger), *self.pump(now)]
+        out = self.groups.receive(identity, state, msg, now, self.ledger)
+        self._wants(msg.actor_id, state)  # a lease fewer: below its share again
+        return [*out, *self.pump(now)]
 
     def _eval_result(self, identity: bytes, msg: m.EvalResult, now: float, key: str | None) -> list[Out]:
         state = self.registry.known(msg.actor_id, identity, now)
@@ -149,20 +155,34 @@ class HubState:
     }
 
     # ---- dispatch (learner/hub/core/dispatch.py) ----------------------------------------------------------
+    def _wants(self, actor_id: str, state: ActorState) -> None:
+        if state.demand > 0:
+            self.ready.want(actor_id)
+
+    def sync_order(self, actor_ids: list[str]) -> list[str]:
+        """The order to send a new version in: least recently granted first. After each update the first actors to
+        report the new version take the room it opened, so a fixed order (sorted ids) would serve the same few."""
+        return self.ready.order(actor_ids)
+
     def outstanding(self) -> int:
-        return sum(len(a.held) for a in self.actors.values()) + len(self.buffer)
+        """Prompts granted (every lease an actor holds is a granted prompt of the ledger's) plus groups buffered."""
+        return len(self.ledger.granted) + len(self.buffer)
 
     def pump(self, now: float) -> list[Out]:
         """Grant prompts to actors with demand, as far as admission control allows; eval grants first (the learner
-        is waiting on them)."""
+        is waiting on them). O(1) when there is nothing to grant, O(1) per grant otherwise (dispatch.py says why)."""
         sends: list[Out] = []
-        if self.eval_round is not None:
+        if self.eval_round is not None and self.eval_round.pending:
             sends = dispatch.eval_grants(self.eval_round, self.actors, self.cfg.actor.max_groups, now)
             self.counters["eval_granted"] += len(sends)
         capacity = self.updates.capacity(self.cfg.train.prompts_per_step, self.outstanding())
+        if capacity <= 0 or not self.ready:
+            return sends
         min_version = st.min_grant_version(self.version)
+        slots = self.updates.capacity(self.cfg.train.prompts_per_step, 0)
+        share = max(1, -(-slots // max(1, len(self.actors) - self.registry.quiet)))  # slots / live actors, rounded up
         grants, granted = dispatch.work_grants(
-            self.actors, self.ledger, self.prompts, capacity, min_version, self.cfg.staleness.lease_s, now
+            self.ready, self.actors, self.ledger, self.prompts, capacity, share, min_version, self.cfg.staleness.lease_s, now
         )
         self.counters["granted"] += len(granted)
         if granted:  # debug: lets an operator (and the multi-host test) follow which actor holds which prompt
@@ -182,6 +202,14 @@ class HubState:
     def tick(self, now: float) -> None:
         """Declare silent actors dead, expire leases and eval grants (the server calls it once a second)."""
         self.registry.expire(now)
+        silent = self.registry.silent(now)
+        for actor_id, state in silent:
+            self._give_back(actor_id, state, "silent")
+            state.held.clear()
+        if any(s.held == set() and s.silent for _, s in silent):  # the others' share grew: back in line, all of them
+            for actor_id, state in self.actors.items():
+                if not state.silent:
+                    self._wants(actor_id, state)
         expired = self.ledger.expire(now)
         self.quarantine.expire(now)
         if self.eval_round is not None:

@@ -160,12 +160,14 @@ class Hub:
             self.state.updates.note_update(step_s, sync_started, sync_s, broadcast_s)
 
     def live_actors(self) -> list[str]:
+        """The registered actors heard from within hub.silent_s (a hung one is left out of the weight group)."""
         with self.cond:
-            return sorted(self.state.actors)
+            return self.state.registry.live()
 
     def add_membership_listener(self, fn: Callable[[str, bool], None]) -> None:
         """`fn(actor_id, joined)` each time an actor registers (joined, also again under the same id) or is removed
-        (dead, disconnected, evicted), under the hub's lock: the rule it keeps is learner/weights/fleet.py's."""
+        (dead, disconnected, evicted), and when it goes silent past hub.silent_s (not joined) and is heard again
+        (joined), under the hub's lock: the rule it keeps is learner/weights/fleet.py's."""
         with self.cond:
             self.state.listeners.append(fn)
 

@@ -157,3 +157,21 @@ def test_a_hung_actor_stops_holding_admission_after_silent_s(prompts):
 def test_silent_s_must_exceed_the_heartbeat(prompts):
     with pytest.raises(ConfigError, match="hub.silent_s"):
         load_config(None, ["hub.heartbeat_s=2", "hub.silent_s=2"])
+
+
+def test_listeners_hear_a_silent_actor_leave_and_come_back(prompts):
+    """The weight sender stops waiting for a hung actor after hub.silent_s, not hub.actor_timeout_s (a broadcast it
+    blocks is given up and retried without it), and serves it again when it is heard from."""
+    state = hub(prompts, "hub.silent_s=4", "hub.actor_timeout_s=30")
+    heard = []
+    state.listeners.append(lambda actor, joined: heard.append((actor, joined)))
+    for i, actor in enumerate(("hung", "live")):
+        state.handle(conn(i), m.Register(actor_id=actor, host="h", pid=1, served_version=0), 0.0)
+    assert heard == [("hung", True), ("live", True)] and state.registry.live() == ["hung", "live"]
+    state.handle(conn(1), m.Heartbeat(actor_id="live", served_version=0, groups_in_flight=0), 3.0)
+    state.tick(4.5)
+    assert heard[2:] == [("hung", False)] and state.registry.live() == ["live"] and "hung" in state.actors
+    state.tick(5.5)
+    assert heard[3:] == []  # told once
+    state.handle(conn(0), m.Heartbeat(actor_id="hung", served_version=0, groups_in_flight=0), 6.0)
+    assert heard[3:] == [("hung", True)] and state.registry.live() == ["hung", "live"]

@@ -5,6 +5,7 @@ told when one joins or leaves (the weight sender).
     (actor id, conn)    --known()-----> its ActorState, or None (not registered, or not on that connection)
     gone: released (replaced, quarantined), connection_closed(), evict(), expire() (silent past actor_timeout_s)
           --> give_back(actor id, state, requeue): HubState returns what it held to the ledger and the eval round
+    silent past hub.silent_s: still registered, but listeners hear it leave (and join when it is heard again)
 
 Rules: one actor per connection; only the CURVE key that registered an id may take it over; a served version
 above the learner's counts as none.
@@ -90,6 +91,8 @@ class Registry:
             state.silent = False
             self.quiet -= 1
             self.log.info("hub.actor_heard_again", actor=actor_id)
+            for fn in self.listeners:  # the weight sender serves it again (a newcomer: caught up on its own)
+                fn(actor_id, True)
         return state
 
     def unknown(self, identity: bytes, actor_id: str) -> list[Out]:
@@ -155,6 +158,8 @@ class Registry:
                 self.quiet += 1
                 self.counters["actors_silent"] += 1
                 self.log.warning("hub.actor_silent", actor=actor_id, silent_s=round(now - state.last_seen, 3), leases=len(state.held))
+                for fn in self.listeners:  # the weight sender stops waiting for it (a broadcast it blocks is given up)
+                    fn(actor_id, False)
             if newly or state.held:
                 out.append((actor_id, state))
         return out
@@ -164,6 +169,10 @@ class Registry:
         for key in keys:
             for state in self.actors.values():
                 state.held.discard(key)
+
+    def live(self) -> list[str]:
+        """The registered actors heard from within hub.silent_s, sorted: those the weight sender serves."""
+        return sorted(a for a, s in self.actors.items() if not s.silent)
 
     def devices(self, actor_ids: list[str]) -> list[list[str]]:
         """Each actor's device identities as it registered them, one per weight-group rank it holds. An actor

@@ -32,6 +32,7 @@ from protocol.logs import Throttle, get_logger
 DRAIN = 256  # messages read per poll of the hub's socket
 CLOSED_GRACE_S = 5.0  # how long messages of a closed connection are dropped (what it queued before closing)
 SEND_TIMEOUT_S = 10.0  # how long a grant or a WeightSync may wait for room in a peer's queue
+YIELD_EVERY = 64  # sends in one burst (a WeightSync to every actor) between turns for the socket's reader
 
 
 class HubThread:
@@ -194,7 +195,9 @@ class HubThread:
         await self._deliver(outs)
 
     async def _deliver(self, outs: list[Out]) -> None:
-        for out in outs:
+        for i, out in enumerate(outs):
+            if i and i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a send with room never yields: let the socket's reader in during a long burst
             if out.reply:
                 await self._reply(out.identity, out.msg)
             else:

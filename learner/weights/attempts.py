@@ -32,6 +32,9 @@ from protocol.progress import phase
 
 POLL_S = 0.02  # how often a long wait re-checks for a removed member: the latency of an abort
 JOIN_POLL_S = 0.005  # how often rank 0 looks for the members' joined keys
+# gloo connects every pair of ranks through rank 0's store: forming a group takes time that grows with the square of
+# its size, and past about this many ranks it outlasts weights.join_timeout_s' default (docs/architecture.md).
+GLOO_MESH_RANKS = 100
 
 
 class Attempts:
@@ -85,6 +88,16 @@ class Attempts:
                 world_size=plan.world_size,
                 probation=att.side,
             )
+            if plan.backend == "gloo" and plan.world_size > GLOO_MESH_RANKS:
+                self.log.warning(
+                    "weights.large_gloo_group",
+                    epoch=att.epoch,
+                    world_size=plan.world_size,
+                    join_timeout_s=self.cfg.join_timeout_s,
+                    why=f"gloo connects every pair of ranks; past {GLOO_MESH_RANKS} ranks forming the group can outlast the join "
+                    "deadline, and members that miss it are evicted",
+                    how="raise weights.join_timeout_s above the formation time (docs/benchmarks.md), or run fewer, larger actors",
+                )
             if plan.fallback:
                 self.log.warning(
                     "weights.gloo_fallback",

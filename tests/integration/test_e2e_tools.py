@@ -40,7 +40,7 @@ def test_tool_demo_trains_episodes_token_exact(tmp_path):
         "log.samples_every_steps=3",
         "data.val_fraction=0.002",  # 8 held-out sums, evaluated greedily as episodes every 3 updates
         "eval.every_steps=3",
-        "demo.warmstart_steps=150",  # a shorter warm start than the demo's (built once, cached): it calls the tool less
+        "demo.warmstart_steps=60",  # a shorter warm start than the demo's (built once, cached): it calls the tool less
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -20,12 +20,29 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster import Cluster, SlurmUnavailable
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[2]
 SUBMIT = str(ROOT / "deploy" / "slurm" / "submit.sh")
 PROMPTS_PER_STEP = 8
 LONG = 400  # updates of the long run: it never ends by itself before the test stops it
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """The cluster (tests/slurm/cluster.py), started by the first test that needs it and stopped at the end whatever
+    happened. Where it cannot run (not root, no apt to install Slurm, no network namespaces) every test skips with
+    the one-line reason. Not in a conftest.py: a second module named conftest would shadow tests/conftest.py's
+    helpers, which tests import by that name."""
+    try:
+        cluster = Cluster(tmp_path_factory.mktemp("slurm"))
+    except SlurmUnavailable as e:
+        pytest.skip(f"no Slurm cluster here: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def demo_args(model: Path, steps: int) -> list[str]:

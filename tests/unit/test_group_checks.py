@@ -279,8 +279,10 @@ def test_the_learner_refuses_a_batch_no_model_could_train_on(row):
 
 
 def _taken_batch(state):
-    for g in grant(state, n=4):
-        state.handle(A, group_for(g), 1.0)
+    """4 groups, 2 from each actor: the hub grants an actor at most its share of the slots."""
+    for identity, actor in ((A, "a0"), (B, "b0")):
+        for g in grant(state, identity, actor, n=2):
+            state.handle(identity, group_for(g, actor), 1.0)
     batch = state.take(4)
     assert batch is not None and len(batch) == 4
     return batch

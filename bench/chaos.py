@@ -20,7 +20,8 @@ Then the learner is stopped with SIGTERM and everything else after it. The table
   learner steps; any stall over 10 s between two steps, except while the learner itself was down
   the ledger at the end: prompts lost (the learner's exit checks none is), trained twice, requeued
   staleness violations: a step whose staleness_max exceeds the bound it was taken with
-  peak RSS of each process (learner, actors, their engine processes)
+  peak RSS of each process (learner, actors, their engine processes); RSS growth per learner, actor and an actor's engine
+  processes: within its longest life (2-3 min in against its last minute), and from its first life to its last
   leftover processes: anything the run started still alive after the stop, and any engine process
   still alive 10 s after its actor was SIGKILLed
 
@@ -99,27 +100,66 @@ def label(cmd: str) -> str:
 
 
 class RssWatch:
-    """Peak RSS per process label, sampled every second on a thread; engine processes are labelled by their actor."""
+    """RSS of every fleet process, sampled every second on a thread; engine processes are labelled by their actor.
+    Keeps each process's samples: pid -> (label, [(time, MiB)])."""
 
     def __init__(self, token: str):
         self.token = token
-        self.peak_mib: dict[str, float] = {}
         self.owner: dict[int, str] = {}  # pid -> label of the fleet process it descends from
+        self.series: dict[int, tuple[str, list[tuple[float, float]]]] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
+    @property
+    def peak_mib(self) -> dict[str, float]:
+        peak: dict[str, float] = {}
+        for name, samples in self.series.values():
+            peak[name] = max([peak.get(name, 0.0), *(m for _, m in samples)])
+        return peak
+
     def _run(self) -> None:
         while not self.stop.wait(1.0):
-            procs = marked(self.token)
-            for pid, cmd in procs.items():
+            now = time.time()
+            for pid, cmd in marked(self.token).items():
                 name = label(cmd)
                 if name.startswith(("learner", "actor")):
                     self.owner[pid] = name
                     for d in descendants(pid):
                         self.owner.setdefault(d, f"{name}: child")
-                name = self.owner.get(pid, name)
-                self.peak_mib[name] = max(self.peak_mib.get(name, 0), rss_kib(pid) / 1024)
+                self.series.setdefault(pid, (self.owner.get(pid, name), []))[1].append((now, rss_kib(pid) / 1024))
+
+
+def level(samples: list[tuple[float, float]], start: float, end: float) -> float | None:
+    """Median MiB of the samples taken in [start, end), or None when there are none."""
+    inside = sorted(m for t, m in samples if start <= t < end)
+    return inside[len(inside) // 2] if inside else None
+
+
+def rss_growth(
+    series: dict[int, tuple[str, list[tuple[float, float]]]], settle_s: float = 120.0, window_s: float = 60.0
+) -> dict[str, dict]:
+    """Per label (learner, actor aN, an actor's engine processes: "actor aN: child"), the RSS its processes grow by. The process behind a
+    label is replaced when a fault kills it, so: `lives` incarnations; `longest_min`, the longest life, and its RSS
+    `settle_s` after it started and over its last `window_s` (growth within one life); `first`/`last`: the first and
+    last incarnations' RSS at the same age (growth carried across restarts: ledger, checkpoints). No I/O."""
+    out: dict[str, dict] = {}
+    for name, samples in series.values():
+        if not samples:
+            continue
+        out.setdefault(name, {"lives": []})["lives"].append(samples)
+    for entry in out.values():
+        lives = sorted(entry.pop("lives"), key=lambda s: s[0][0])
+        longest = max(lives, key=lambda s: s[-1][0] - s[0][0])
+        t0, t1 = longest[0][0], longest[-1][0]
+        entry["lives"] = len(lives)
+        entry["longest_min"] = (t1 - t0) / 60
+        entry["settled"] = level(longest, t0 + settle_s, t0 + settle_s + window_s)
+        entry["end"] = level(longest, t1 - window_s, t1 + 1)
+        at_age = [level(s, s[0][0] + settle_s, s[0][0] + settle_s + window_s) for s in lives]
+        known = [m for m in at_age if m is not None]
+        entry["first"], entry["last"] = (known[0], known[-1]) if known else (None, None)
+    return out
 
 
 # ---- the run ------------------------------------------------------------------------------------------
@@ -248,7 +288,8 @@ def run(
         "ledger_counts": counts,
         "violations": sum(r["staleness_max"] > r["max_staleness"] for r in rows),
         "rejected": {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("hub/rejected")},
-        "peak_rss_mib": dict(watch.peak_mib),
+        "peak_rss_mib": watch.peak_mib,
+        "rss_growth": rss_growth(watch.series),
         "leftovers": [f"{pid} {cmd[:80]}" for pid, cmd in leftovers.items()],
         "orphans": chaos.orphans,
     }
@@ -271,6 +312,12 @@ def render(report: dict, header: str) -> str:
         f"| groups refused by the hub | {report['rejected']} |",
     ]
     lines += [f"| peak RSS: {k} | {v:.0f} MiB |" for k, v in sorted(report["peak_rss_mib"].items())]
+    mib = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    for k, g in sorted(report["rss_growth"].items()):
+        lines.append(
+            f"| RSS growth: {k} | longest of {g['lives']} lives {g['longest_min']:.1f} min: {mib(g['settled'])} -> {mib(g['end'])} MiB; "
+            f"first -> last life at 2 min: {mib(g['first'])} -> {mib(g['last'])} MiB |"
+        )
     lines += [
         f"| leftover processes after the stop | {len(report['leftovers'])} {report['leftovers']} |",
         f"| engine processes alive {ORPHAN_WAIT_S:.0f} s after their actor's SIGKILL | {len(report['orphans'])} {report['orphans']} |",

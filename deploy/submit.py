@@ -46,11 +46,15 @@ class Node:
 
 
 def components(cfg: Config) -> list[list[str]]:
-    """sbatch options of the learner component, then of the actor component."""
+    """sbatch options of the learner component, then of the actor component. The job-wide ones go with the first:
+    --requeue (a job that Slurm requeues or preempts starts again and resumes, fleet.sbatch) and, with
+    cluster.time_limit_grace_s, --signal=B:USR1@N (the batch script checkpoints and requeues the job before its
+    time limit). FLEETRL_SBATCH comes after them: "--no-requeue" there turns requeueing off."""
     c = cfg.cluster
     out = []
     for nodes, gpus in ((c.learner_nodes, c.learner_gpus_per_node), (c.actor_nodes, c.actor_gpus_per_node)):
         out.append([f"--nodes={nodes}", *([f"--gpus-per-node={gpus}"] if gpu_fleet(cfg) else [])])
+    out[0] += ["--requeue", *([f"--signal=B:USR1@{c.time_limit_grace_s}"] if c.time_limit_grace_s else [])]
     return out
 
 

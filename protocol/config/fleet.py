@@ -24,12 +24,22 @@ class ClusterConfig:
     colocate: bool = True  # policy, critic and reference share the learner's GPUs
     debug_gpus: int = 0  # fit the recipe onto this many learner GPUs for a debug run (0 = off)
     gpu_memory_gib: float = 80.0  # memory of one learner GPU, for `fleetrl plan`'s fits / does not fit
+    # Slurm (deploy/slurm/submit.sh): this many seconds before the job's time limit, Slurm signals the job (sbatch
+    # --signal=B:USR1@N, up to 60 s early), the learner checkpoints and the job requeues itself, to resume from that
+    # checkpoint when it starts again. 0 = off: the job ends at its limit, losing what was trained since the last
+    # checkpoint. Leave the learner time to write a checkpoint (and the actors to stop).
+    time_limit_grace_s: int = 300
 
     def __post_init__(self) -> None:
         for name in ("learner_nodes", "learner_gpus_per_node", "actor_nodes", "actor_gpus_per_node", "tensor_parallel_size"):
             need(getattr(self, name) >= 1, f"cluster.{name}", "must be >= 1")
         need(self.debug_gpus >= 0, "cluster.debug_gpus", "must be >= 0 (0 = off)")
         need(self.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be > 0")
+        need(
+            0 <= self.time_limit_grace_s <= 65535,
+            "cluster.time_limit_grace_s",
+            "must be 0 (off) to 65535 seconds (sbatch --signal's limit)",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

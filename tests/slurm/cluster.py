@@ -99,7 +99,7 @@ class Cluster:
             "SlurmdPort=6818",  # each node has a network namespace, so ports of its own
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",  # a requeued job waits this long to start again (120 s by default)
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={d / 'ctld'}",
@@ -171,6 +171,11 @@ class Cluster:
             if word.startswith("JobState="):
                 return word.split("=", 1)[1]
         return ""
+
+    def restarts(self, job: str) -> int:
+        """How many times Slurm started the job again (requeued, preempted): scontrol's Restarts."""
+        out = self.run(["scontrol", "show", "job", job], check=False).stdout
+        return next((int(w.split("=", 1)[1]) for w in out.split() if w.startswith("Restarts=")), 0)
 
     def exit_codes(self, job: str) -> list[str]:
         """ExitCode=status:signal of each component (a het job has one per component)."""

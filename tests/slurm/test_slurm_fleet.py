@@ -217,6 +217,32 @@ def test_actors_added_mid_run_and_detached_by_scancel(slurm, config, long_run):
     assert slurm.job_state(job.id) == "RUNNING"
 
 
+def test_a_requeued_job_resumes_by_itself(slurm, long_run):
+    """Requeue and preemption: the job requeues itself before its time limit (the USR1 that submit.sh's
+    --signal=B:USR1@cluster.time_limit_grace_s sends the batch script), then Slurm requeues it (`scontrol requeue`,
+    what PreemptMode=REQUEUE does: SIGTERM, then a start again). Each time the learner checkpoints, the actors stop
+    cleanly, and the job starts again with the same arguments and resumes from that checkpoint by itself: no
+    previous-* run set aside, every update's metrics row once."""
+    job: Job = long_run.get("job") or pytest.skip("needs the long run of test_actors_added_mid_run_and_detached_by_scancel")
+    assert slurm.restarts(job.id) == 0
+    for restart, how in ((1, ["scancel", "--batch", "--signal=USR1", job.id]), (2, ["scontrol", "requeue", job.id])):
+        trained = len(job.rows())
+        wait_for("a checkpoint of this start", lambda n=trained: len(job.rows()) >= n + 2, 120, job)
+        slurm.run(how)
+        stop = wait_for("the learner's checkpoint", lambda n=restart: job.learner("learner.done")[n - 1 :], 60)[0]
+        assert (job.run_dir / "checkpoints" / f"step-{stop['updates']}" / "state").exists()
+        # Slurm holds a requeued job back for its credential lifetime (cred_expire, 10 s on this cluster).
+        wait_for(f"start {restart + 1}", lambda n=restart: slurm.restarts(job.id) == n and slurm.job_state(job.id) == "RUNNING", 120)
+        resumed = wait_for("the resume", lambda n=restart: job.learner("learner.resumed_engines")[n - 1 :], 180)
+        assert resumed[0]["checkpoint"].endswith(f"step-{stop['updates']}")
+        wait_for("training after the resume", lambda n=stop["updates"]: len(job.rows()) >= n + 2, 180, job)
+    assert not list(job.run_dir.glob("previous-*"))
+    rows = job.rows()
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    for actor in job.actors("n2"):
+        assert not [e for e in job.events(f"actor-{actor}.jsonl") if e["event"] == "actor.stop_overdue"], actor
+
+
 def test_scancel_stops_the_main_job_cleanly(slurm, long_run):
     """scancel of the whole fleet: the learner checkpoints, the actors stop cleanly (problem 6: a second SIGTERM was
     taken as "kill now"), hub_address is removed (problem 3: it stayed, and add_actors attached to nothing)."""

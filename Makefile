@@ -30,7 +30,7 @@ IPROUTE2 := command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v
 test: $(STAMP)
 	@$(IPROUTE2)
 	@bash tests/slurm/install.sh  # Debian's slurm-wlm and munge for the Slurm tests, the same way (root and apt, else they skip)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 # The unit tests alone (tests/unit: no sockets, processes or engines), in about a minute.
 test-fast: $(STAMP)

@@ -55,6 +55,8 @@ class HubThread:
         self._monitor: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.asyncio.Socket | None = None
+        # A plain shadow of _sock for what never waits: reads of what is queued, sends with room (nearly all).
+        self._now: zmq.Socket | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fleetrl-hub", daemon=True)
         self._start_error: BaseException | None = None
@@ -120,6 +122,7 @@ class HubThread:
             ctx.term()
             return
         self.log.info("hub.listening", bind=self.cfg.hub.bind, curve=self._keys is not None)
+        self._now = zmq.Socket.shadow(self._sock.underlying)
         monitor = transport.watch_disconnects(self._sock)
         self._monitor = zmq.Socket.shadow(monitor.underlying)  # drained synchronously, see _drain_disconnects
         poller = zmq.asyncio.Poller()
@@ -137,13 +140,15 @@ class HubThread:
                 # flood the poll's own overhead was most of the cost). Bounded, so stopping stays prompt.
                 for _ in range(DRAIN):
                     try:
-                        frames = await self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        frames = self._now.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    await self._on_frames(frames)
+                    if outs := self._on_frames(frames):
+                        await self._deliver(outs)
         finally:
             housekeeping.cancel()
             self._monitor = None
+            self._now = None
             self._sock.disable_monitor()
             monitor.close(linger=0)
             self._sock.close(linger=0)
@@ -151,20 +156,21 @@ class HubThread:
                 self._gate.stop()
             ctx.term()
 
-    async def _on_frames(self, frames: list) -> None:
+    def _on_frames(self, frames: list) -> list[Out]:
+        """One message: what to send in answer (the caller delivers it). Never waits."""
         identity, body = frames[0].bytes, frames[1:]
         key = None
         if self._gate is not None:
             key = self._gate.admits(body[0]) if body else None
             if key is None:
-                return  # its key was revoked after it connected: dropped unanswered (counted by the gate)
+                return []  # its key was revoked after it connected: dropped unanswered (counted by the gate)
         # Disconnects first: a closed connection's fd can be reused by the very connection this message came on.
         self._drain_disconnects()
         if self._closed and identity in self._closed:
             if time.monotonic() - self._closed[identity] < CLOSED_GRACE_S:
                 with self.cond:
                     self.state.counters["from_closed_connections"] += 1  # queued before the close: its actor is gone
-                return
+                return []
             del self._closed[identity]
         fd = transport.peer_fd(frames[0])
         if fd is not None and self._fd_identity.get(fd) != identity:
@@ -177,8 +183,7 @@ class HubThread:
                 self.state.counters["protocol_errors"] += 1
             if (suppressed := self._throttles["bad_message"].ready()) is not None:
                 self.log.warning("hub.bad_message", error=detail, suppressed=suppressed)
-            await self._deliver([Out(identity, m.Error(code="protocol", detail=detail))])
-            return
+            return [Out(identity, m.Error(code="protocol", detail=detail))]
         now = time.monotonic()
         with self.cond:
             # Operations (learner/hub/core/control.py): one request, one reply; the client is not an actor.
@@ -192,7 +197,7 @@ class HubThread:
             else:
                 outs = self.state.handle(identity, msg, now, key)
             self.cond.notify_all()  # a group buffered or an eval answered: the training thread may be waiting on it
-        await self._deliver(outs)
+        return outs
 
     async def _deliver(self, outs: list[Out]) -> None:
         for i, out in enumerate(outs):
@@ -204,10 +209,10 @@ class HubThread:
                 await self._send(out.identity, out.msg)
 
     async def _send(self, identity: bytes, msg: m.Message) -> bool:
-        assert self._sock is not None, "hub socket used before bind"
+        assert self._sock is not None and self._now is not None, "hub socket used before bind"
         try:
             try:  # at once when its queue has room (nearly always): a timed wait costs a task per message
-                await transport.send(self._sock, msg, identity, flags=zmq.NOBLOCK)
+                transport.send_now(self._now, msg, identity)
             except zmq.Again:  # its queue is full: wait for room, a while
                 await asyncio.wait_for(transport.send(self._sock, msg, identity), timeout=SEND_TIMEOUT_S)
             return True
@@ -222,9 +227,9 @@ class HubThread:
         """An answer (Error, RegisterAck) that never waits: a peer that sends without reading its replies fills its
         queue (HWM); waiting for room would hold up the hub's loop, and every honest actor with it, for up to
         SEND_TIMEOUT_S. Dropped at the HWM and counted (hub/replies_dropped), never buffered."""
-        assert self._sock is not None, "hub socket used before bind"
+        assert self._now is not None, "hub socket used before bind"
         try:
-            await transport.send(self._sock, msg, identity, flags=zmq.NOBLOCK)
+            transport.send_now(self._now, msg, identity)
         except zmq.ZMQError:  # EAGAIN: its queue is full; EHOSTUNREACH: it is gone
             with self.cond:
                 self.state.counters["replies_dropped"] += 1

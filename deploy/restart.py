@@ -1,12 +1,14 @@
-"""Whether a Slurm job that starts again can resume its run: what fleet.sbatch asks when SLURM_RESTART_COUNT > 0.
+"""What a Slurm job that starts again does with its run directory: fleet.sbatch's questions, answered here.
 
-    python -m deploy.restart RUN_DIR
+    python -m deploy.restart resume RUN_DIR JOB_ID   exit 0: resume from the checkpoint printed; 1: start afresh (why on stderr)
+    python -m deploy.restart newest RUN_DIR          the newest complete checkpoint, or an empty line
 
 Slurm starts a requeued job (scontrol requeue, preemption with PreemptMode=REQUEUE, the job's own requeue before
 its time limit) with the arguments of its first start: a CONFIG, which on its own would start a new run and set
-the old one aside. Exit 0 with the newest complete checkpoint on stdout: the job resumes from it (`--resume
-RUN_DIR`). Exit 1 with one line on stderr: there is none yet (the job stopped before its first checkpoint), and
-the job starts the run afresh.
+the old one aside. The job resumes instead when RUN_DIR is its own run (RUN_DIR/.slurm-job names this job: a
+run directory that holds another job's run is not taken over) and holds a complete checkpoint. `newest` lets the
+job tell, before it requeues itself, whether this start checkpointed anything new: a time limit shorter than
+cluster.time_limit_grace_s would otherwise requeue it forever without progress. Exit 2: a usage or file error.
 """
 
 from __future__ import annotations
@@ -14,16 +16,40 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+JOB_FILE = ".slurm-job"  # in RUN_DIR: the id of the Slurm job whose run it holds (fleet.sbatch writes it)
+
+
+def resume_from(run_dir: Path, job_id: str, newest: Path | None) -> tuple[Path | None, str]:
+    """The checkpoint a restarted job `job_id` resumes from, or None and why it starts afresh. No I/O but the
+    job file's read."""
+    owner_file = run_dir / JOB_FILE
+    owner = owner_file.read_text().strip() if owner_file.is_file() else ""
+    if owner != job_id:
+        return None, f"{run_dir} holds job {owner or 'unknown'}'s run, not job {job_id}'s: the run starts afresh"
+    if newest is None:
+        return None, f"no complete checkpoint in {run_dir / 'checkpoints'}: the run starts again from step 0"
+    return newest, ""
+
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m deploy.restart RUN_DIR", file=sys.stderr)
+    usage = "usage: python -m deploy.restart resume RUN_DIR JOB_ID | newest RUN_DIR"
+    if not (argv[:1] == ["resume"] and len(argv) == 3 or argv[:1] == ["newest"] and len(argv) == 2):
+        print(usage, file=sys.stderr)
         return 2
     from learner.resume import latest_checkpoint  # torch: imported only when asked
 
-    found = latest_checkpoint(Path(argv[0]))
+    run_dir = Path(argv[1])
+    try:
+        newest = latest_checkpoint(run_dir)
+        if argv[0] == "newest":
+            print(newest or "")
+            return 0
+        found, why = resume_from(run_dir, argv[2], newest)
+    except OSError as e:
+        print(f"deploy.restart: {run_dir}: {e}", file=sys.stderr)
+        return 2
     if found is None:
-        print(f"no complete checkpoint in {Path(argv[0]) / 'checkpoints'}: the run starts again from step 0", file=sys.stderr)
+        print(why, file=sys.stderr)
         return 1
     print(found)
     return 0

@@ -54,7 +54,9 @@ def components(cfg: Config) -> list[list[str]]:
     out = []
     for nodes, gpus in ((c.learner_nodes, c.learner_gpus_per_node), (c.actor_nodes, c.actor_gpus_per_node)):
         out.append([f"--nodes={nodes}", *([f"--gpus-per-node={gpus}"] if gpu_fleet(cfg) else [])])
-    out[0] += ["--requeue", *([f"--signal=B:USR1@{c.time_limit_grace_s}"] if c.time_limit_grace_s else [])]
+    out[0] += [f"--signal=B:USR1@{c.time_limit_grace_s}"] if c.time_limit_grace_s else []
+    for options in out:
+        options.append("--requeue")  # each component: a cluster with JobRequeue=0 defaults every one to no
     return out
 
 
@@ -109,8 +111,9 @@ def check_fits(cfg: Config, nodes: list[Node], partition: str | None, learner: b
         )
 
 
-def sbatch_argv(args: list[str]) -> list[str]:
-    """The sbatch command for `args` (this module's command line), after checking it against the cluster."""
+def sbatch_argv(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The sbatch command for `args` (this module's command line), after checking it against the cluster, and the
+    environment it adds for the job (sbatch passes the environment on, and Slurm keeps it for a restart)."""
     extra = shlex.split(os.environ.get("FLEETRL_SBATCH", ""))
     partition = next((a.split("=", 1)[1] for a in extra if a.startswith(("--partition=", "-p="))), None)
     if args[:1] == ["--add-actors"]:
@@ -126,7 +129,7 @@ def sbatch_argv(args: list[str]) -> list[str]:
         cfg = load_config(config, rest)
         check_fits(cfg, partition_nodes(partition), partition, learner=False, actor_nodes=nodes)
         gpus = [f"--gpus-per-node={cfg.cluster.actor_gpus_per_node}"] if gpu_fleet(cfg) else []
-        return ["sbatch", f"--nodes={nodes}", *gpus, *extra, str(SLURM / "add_actors.sbatch"), str(run_dir), *rest]
+        return ["sbatch", f"--nodes={nodes}", *gpus, *extra, str(SLURM / "add_actors.sbatch"), str(run_dir), *rest], {}
     if args[:1] == ["--resume"]:
         if len(args) < 2:
             raise SubmitError("usage: submit.sh --resume RUN_DIR [section.field=value ...]")
@@ -135,7 +138,7 @@ def sbatch_argv(args: list[str]) -> list[str]:
         run_dir = Path(args[1])
         if latest_checkpoint(run_dir) is None:
             raise SubmitError(f"--resume {run_dir}: no complete checkpoint with training state in {run_dir / 'checkpoints'}")
-        cfg = load_config(run_dir / "config.toml", args[2:])
+        cfg = load_config(run_dir / "config.toml", [*args[2:], f"run.dir={run_dir.resolve()}"])  # where it is now
     elif not args or args[0].startswith("-"):
         raise SubmitError(
             "usage: submit.sh CONFIG [section.field=value ...] | --resume RUN_DIR [...] | --add-actors RUN_DIR [--nodes N] [...]"
@@ -144,12 +147,14 @@ def sbatch_argv(args: list[str]) -> list[str]:
         cfg = load_config(args[0], args[1:])
     check_fits(cfg, partition_nodes(partition), partition)
     learner, actors = components(cfg)
-    return ["sbatch", *learner, *extra, ":", *actors, *extra, str(SLURM / "fleet.sbatch"), *args]
+    # The run directory as resolved now: a restarted job reads its CONFIG again, which may have been edited since.
+    env = {"FLEETRL_RUN_DIR": str(Path(cfg.run.dir).resolve())}
+    return ["sbatch", *learner, *extra, ":", *actors, *extra, str(SLURM / "fleet.sbatch"), *args], env
 
 
 def main(argv: list[str]) -> int:
     try:
-        cmd = sbatch_argv(argv)
+        cmd, env = sbatch_argv(argv)
     except (SubmitError, ConfigError) as e:
         print(f"fleetrl submit: {e}", file=sys.stderr)
         return 2
@@ -157,6 +162,7 @@ def main(argv: list[str]) -> int:
         print(shlex.join(cmd))
         return 0
     os.environ.setdefault("FLEETRL_HOME", str(ROOT))  # sbatch passes the environment on: the job finds this checkout
+    os.environ.update(env)
     os.execvp(cmd[0], cmd)
 
 

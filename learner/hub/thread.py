@@ -57,6 +57,7 @@ class HubThread:
         self._sock: zmq.asyncio.Socket | None = None
         # A plain shadow of _sock for what never waits: reads of what is queued, sends with room (nearly all).
         self._now: zmq.Socket | None = None
+        self._waiting = 0  # sends waiting for room in a peer's queue (_send_waiting)
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fleetrl-hub", daemon=True)
         self._start_error: BaseException | None = None
@@ -200,30 +201,57 @@ class HubThread:
         return outs
 
     async def _deliver(self, outs: list[Out]) -> None:
+        """Send `outs` in order. What has room goes out at once through the plain shadow socket; a send that must
+        wait for room goes through the asyncio socket, and so does every send after it while one waits (pyzmq
+        queues those in order: a peer's messages never overtake one another)."""
         for i, out in enumerate(outs):
             if i and i % YIELD_EVERY == 0:
+                self._wake_reader()
                 await asyncio.sleep(0)  # a send with room never yields: let the socket's reader in during a long burst
             if out.reply:
-                await self._reply(out.identity, out.msg)
-            else:
-                await self._send(out.identity, out.msg)
+                self._reply(out.identity, out.msg)
+            elif self._waiting or not self._send_now(out.identity, out.msg):
+                await self._send_waiting(out.identity, out.msg)
+        if outs:
+            self._wake_reader()
 
-    async def _send(self, identity: bytes, msg: m.Message) -> bool:
-        assert self._sock is not None and self._now is not None, "hub socket used before bind"
+    def _wake_reader(self) -> None:
+        """A send through the shadow socket can take the socket's edge-triggered wake-up (libzmq handles its pending
+        commands in a send) from the poll waiting in _serve; reading EVENTS on the asyncio socket hands it back
+        (pyzmq reschedules its waiters when events are pending), as pyzmq's own asyncio send does."""
+        if self._sock is not None:
+            self._sock.get(zmq.EVENTS)
+
+    def _send_now(self, identity: bytes, msg: m.Message) -> bool:
+        """Send if the peer's queue has room (nearly always): True when done (a failure counted), False when it
+        must wait."""
+        assert self._now is not None, "hub socket used before bind"
         try:
-            try:  # at once when its queue has room (nearly always): a timed wait costs a task per message
-                transport.send_now(self._now, msg, identity)
-            except zmq.Again:  # its queue is full: wait for room, a while
-                await asyncio.wait_for(transport.send(self._sock, msg, identity), timeout=SEND_TIMEOUT_S)
-            return True
-        except (zmq.ZMQError, TimeoutError) as e:  # EHOSTUNREACH: the peer is gone
-            with self.cond:
-                self.state.counters["send_failures"] += 1
-            if (suppressed := self._throttles["send_failed"].ready()) is not None:
-                self.log.warning("hub.send_failed", msg=type(msg).__name__, error=str(e), suppressed=suppressed)
+            transport.send_now(self._now, msg, identity)
+        except zmq.Again:
             return False
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone
+            self._send_failed(msg, e)
+        return True
 
-    async def _reply(self, identity: bytes, msg: m.Message) -> None:
+    async def _send_waiting(self, identity: bytes, msg: m.Message) -> None:
+        """The peer's queue is full: wait for room, a while."""
+        assert self._sock is not None, "hub socket used before bind"
+        self._waiting += 1
+        try:
+            await asyncio.wait_for(transport.send(self._sock, msg, identity), timeout=SEND_TIMEOUT_S)
+        except (zmq.ZMQError, TimeoutError) as e:
+            self._send_failed(msg, e)
+        finally:
+            self._waiting -= 1
+
+    def _send_failed(self, msg: m.Message, e: Exception) -> None:
+        with self.cond:
+            self.state.counters["send_failures"] += 1
+        if (suppressed := self._throttles["send_failed"].ready()) is not None:
+            self.log.warning("hub.send_failed", msg=type(msg).__name__, error=str(e), suppressed=suppressed)
+
+    def _reply(self, identity: bytes, msg: m.Message) -> None:
         """An answer (Error, RegisterAck) that never waits: a peer that sends without reading its replies fills its
         queue (HWM); waiting for room would hold up the hub's loop, and every honest actor with it, for up to
         SEND_TIMEOUT_S. Dropped at the HWM and counted (hub/replies_dropped), never buffered."""

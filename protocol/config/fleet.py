@@ -26,8 +26,8 @@ class ClusterConfig:
     gpu_memory_gib: float = 80.0  # memory of one learner GPU, for `fleetrl plan`'s fits / does not fit
     # Slurm (deploy/slurm/submit.sh): this many seconds before the job's time limit, Slurm signals the job (sbatch
     # --signal=B:USR1@N, up to 60 s early), the learner checkpoints and the job requeues itself, to resume from that
-    # checkpoint when it starts again. 0 = off: the job ends at its limit, losing what was trained since the last
-    # checkpoint. Leave the learner time to write a checkpoint (and the actors to stop).
+    # checkpoint when it starts again. Leave the learner time to write a checkpoint (and the actors to stop).
+    # 0 = off: at the limit Slurm sends SIGTERM (the learner checkpoints if it can within KillWait) and the job ends.
     time_limit_grace_s: int = 300
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -55,6 +56,7 @@ ORPHAN_WAIT_S = 10.0
 FAULTS = ("actor_kill", "actor_attach", "learner_kill", "staleness", "rogue")
 SETTINGS = [
     "train.total_steps=100000",
+    "data.epochs=100000",  # the demo's 1,000 passes over its 100 prompts last 6,250 updates: about 30 minutes here
     "actor.kvcache_gib=1",
     "hub.heartbeat_s=0.5",
     "checkpoint.every_steps=5",
@@ -333,9 +335,14 @@ def main() -> None:
     ap.add_argument("--max-actors", type=int, default=3)
     args, overrides = ap.parse_known_args()
     exit_on_sigterm()
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.strftime("%Y-%m-%d")
-        report = run(args.minutes, args.seed, args.every, args.max_actors, overrides, Path(tmp) / "run")
+    tmp = Path(tempfile.mkdtemp(prefix="fleetrl-chaos-"))
+    t0 = time.strftime("%Y-%m-%d")
+    try:
+        report = run(args.minutes, args.seed, args.every, args.max_actors, overrides, tmp / "run")
+    except BaseException:
+        print(f"the run failed: its directory (logs, checkpoints) is kept in {tmp / 'run'}", flush=True)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
     cmd = f"python -m bench.chaos --minutes {args.minutes:g} --seed {args.seed} --every {args.every:g}"
     print(render(report, f"Chaos run: `{cmd}`, {os.cpu_count()}-CPU machine, {t0}"))
 

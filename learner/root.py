@@ -231,8 +231,8 @@ class Root:
         if self.topo.world > 1 and not stop_sent:
             scatter_shares(self.topo, [Share(samples=[], mini_batch_tokens=[], stop=True)] * self.topo.dp_size)
         self.sender.wait()
-        # Stopped before the end (SIGTERM, an error): the actors stay up and wait for `--resume`.
-        hub.stop("run finished", tell_actors=self.progress.updates >= self.total_updates)
+        # Stopped before the end (SIGTERM, an error): the actors stay up and wait for `--resume`. Out of data: the end.
+        hub.stop("run finished", tell_actors=self.progress.updates >= self.total_updates or self.stop.get("exhausted", False))
         self.metrics.close()
         plot = self.metrics.plot()
         hub.ledger.check()

@@ -48,6 +48,7 @@ class UpdateHub(Protocol):
     @property
     def batch_max_staleness(self) -> int: ...
     def take_batch(self, n: int, timeout_s: float | None = None) -> list[Accepted]: ...
+    def left_to_train(self) -> int | None: ...
     def snapshot(self) -> dict[str, float]: ...
     def finish_update(self, version: int, trained: list[Key]) -> None: ...
     def abort_update(self, batch: list[Accepted], version: int | None = None) -> None: ...
@@ -112,14 +113,20 @@ def run_update(hub: UpdateHub, trainer: Trainer, cfg: Config, topo: Topology, st
     )
 
 
-def wait_for_batch(hub: UpdateHub, n: int, stop: dict, log, report_s: float = 30.0) -> list[Accepted] | None:
-    """take_batch, but wakes up to honour SIGTERM and to say what it waits for. None when stopping."""
+def wait_for_batch(hub: UpdateHub, n: int, stop: dict, log, report_s: float = 30.0, held: int = 0) -> list[Accepted] | None:
+    """take_batch, but wakes up to honour SIGTERM and to say what it waits for. None when stopping, and when the data
+    can no longer give `n` more groups (every epoch of data.epochs opened, fewer than `n` untrained prompts besides
+    the `held` this batch already took): then stop["exhausted"] is set, and the run ends as finished."""
     waited = 0.0
     while not stop["flag"]:
         try:
             return hub.take_batch(n, timeout_s=1.0)
         except TimeoutError:
             waited += 1.0
+            if (left := hub.left_to_train()) is not None and left - held < n:
+                log.warning("learner.data_exhausted", untrained=left, need=n, detail="every epoch of data.epochs is out: the run ends here")
+                stop.update(flag=True, exhausted=True)
+                return None
             if waited % report_s == 0:
                 snap = hub.snapshot()
                 log.info("learner.waiting_for_rollouts", waited_s=waited, actors=snap["hub/actors"], buffered=snap["hub/buffered"], need=n)
@@ -132,7 +139,7 @@ def take_batch(hub: UpdateHub, cfg: Config, stop: dict, log) -> tuple[list[Accep
     kept: list[Accepted] = []
     filtered: list[Accepted] = []
     while len(kept) < n:
-        batch = wait_for_batch(hub, n - len(kept), stop, log)
+        batch = wait_for_batch(hub, n - len(kept), stop, log, held=len(kept) + len(filtered))
         if batch is None:
             hub.abort_update(kept + filtered)
             return None

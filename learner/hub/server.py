@@ -113,6 +113,11 @@ class Hub:
                 self.cond.wait(timeout=remaining)
         return batch
 
+    def left_to_train(self) -> int | None:
+        """Prompts the data has left to train (None: more epochs to open); see Ledger.left_to_train."""
+        with self.cond:
+            return self.state.ledger.left_to_train()
+
     def finish_update(self, version: int, trained: list[Key]) -> None:
         """The update that consumed `trained` produced `version`; grants may resume."""
         with self.cond:

@@ -76,3 +76,37 @@ def test_stopping_while_topping_up_returns_taken_groups_to_the_queue():
     waiting = _StopWhileWaiting(hub, stop)  # SIGTERM while it waits for a third group
     assert take_batch(waiting, hub.cfg, stop, structlog.get_logger()) is None and waiting.waits == 1
     assert [hub.ledger.entries[k].state for k in keys] == [State.PENDING, State.PENDING]
+
+
+def _train_all_but(hub: Hub, untrained: int) -> None:
+    """Every prompt of the one epoch (data.epochs = 1) not yet granted is trained but `untrained`, which stay pending."""
+    keys = []
+    while (key := hub.ledger.next_pending()) is not None:
+        keys.append(key)
+    for key in keys[untrained:]:
+        hub.ledger.grant(key, "a0", time.monotonic() + 60)
+        hub.ledger.receive(key)
+        hub.ledger.trained(key)
+    hub.ledger.queue.extend(keys[:untrained])  # popped above, never granted: back in the queue, still pending
+
+
+def test_out_of_data_ends_the_wait_as_exhausted():
+    """data.epochs all opened and fewer untrained prompts than a batch: nothing more can come. The learner used to
+    wait for rollouts forever (a 60-minute chaos soak hung there once the demo's 1,000 epochs were trained)."""
+    hub = _hub_with([[0, 1, 0]], "data.epochs=1")  # one received group in the buffer
+    _train_all_but(hub, 0)
+    stop = {"flag": False}
+    assert take_batch(hub, hub.cfg, stop, structlog.get_logger()) is None
+    assert stop == {"flag": True, "exhausted": True}
+    assert len(hub.buffer) == 1 and hub.ledger.left_to_train() == 1  # the lone group stays received, untrained
+
+
+def test_enough_data_left_keeps_waiting():
+    import threading
+
+    hub = _hub_with([[0, 1, 0]], "data.epochs=1")
+    _train_all_but(hub, 1)  # one pending besides the buffered one: a batch of 2 can still fill
+    stop = {"flag": False}
+    threading.Timer(2.5, lambda: stop.update(flag=True)).start()
+    assert take_batch(hub, hub.cfg, stop, structlog.get_logger()) is None
+    assert "exhausted" not in stop  # it waited until stopped

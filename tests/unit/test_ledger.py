@@ -99,3 +99,53 @@ def test_ledger_state_is_checked_on_load():
         Ledger.from_state({**state, "states": ["ppp", "ppp"]}, max_epochs=2)
     with pytest.raises(AssertionError, match="pending"):  # a queued prompt that the states call trained
         Ledger.from_state({**state, "states": ["ttt"]}, max_epochs=2)
+
+
+def test_state_counts_kept_as_prompts_move_match_a_recount():
+    """The per-state counts are kept as entries move (the metrics row reads them every update): after any mix of
+    grants, results, late results, requeues, expiries, deaths, training and a checkpoint round trip they equal a
+    recount of the entries (check() asserts it), and left_to_train is the untrained rest once the last epoch is open."""
+    import random
+
+    rng = random.Random(3)
+    ledger = Ledger(num_prompts=6, max_epochs=3, seed=2)
+    now = 0.0
+    for step in range(400):
+        now += 1.0
+        op = rng.randrange(6)
+        granted = list(ledger.granted)
+        received = [k for k, e in ledger.entries.items() if e.state is State.RECEIVED]
+        if op == 0 and (key := ledger.next_pending()) is not None:
+            ledger.grant(key, rng.choice("ab"), deadline=now + rng.choice([0.5, 5.0]))
+        elif op == 1 and granted:
+            key = rng.choice(granted)
+            if ledger.may_deliver(key, ledger.entries[key].actor or "a"):
+                ledger.receive(key)
+        elif op == 2 and received:
+            ledger.trained(rng.choice(received))
+        elif op == 3 and received:
+            ledger.requeue(rng.choice(received), "stale", front=rng.random() < 0.5)
+        elif op == 4:
+            ledger.expire(now)
+        elif op == 5:
+            ledger.release_actor(rng.choice("ab"))
+        ledger.check()
+        if step == 200:
+            ledger = Ledger.from_state(json.loads(json.dumps(ledger.state_dict())), max_epochs=3)
+            ledger.check()
+    counts = ledger.state_counts()
+    assert sum(counts.values()) == len(ledger.entries) and counts["trained"] > 0
+    left = ledger.left_to_train()
+    assert left is None if ledger.epochs_opened < 3 else left == len(ledger.entries) - counts["trained"]
+
+
+def test_left_to_train_only_once_the_last_epoch_is_open():
+    ledger = Ledger(num_prompts=2, max_epochs=2, seed=0)
+    assert ledger.left_to_train() is None
+    keys = [ledger.next_pending() for _ in range(3)]  # opens epoch 1 of 2: the last
+    assert ledger.left_to_train() == 4
+    for key in keys:
+        ledger.grant(key, "a", 10.0)
+        ledger.receive(key)
+        ledger.trained(key)
+    assert ledger.left_to_train() == 1  # one prompt of the last epoch, never granted

@@ -63,6 +63,9 @@ class Ledger:
         self.granted: dict[Key, None] = {}
         self.epochs_opened = 0
         self.counts: Counter[str] = Counter()  # requeued_stale, requeued_lease, requeued_dead, duplicates
+        # Entries per state, kept as they move: the metrics row reads it every update, and the entries grow by a
+        # pass over the data each epoch (a long run holds millions).
+        self.in_state: Counter[State] = Counter()
 
     def _open_epoch(self) -> bool:
         if self.epochs_opened >= self.max_epochs:
@@ -73,6 +76,7 @@ class Ledger:
         for pid in order:
             self.entries[(epoch, pid)] = Entry(State.PENDING)
             self.queue.append((epoch, pid))
+        self.in_state[State.PENDING] += self.num_prompts
         self.epochs_opened += 1
         return True
 
@@ -86,10 +90,18 @@ class Ledger:
             if not self._open_epoch():
                 return None
 
+    def left_to_train(self) -> int | None:
+        """Prompts that may still be trained: pending, granted or received (not yet trained). None while another
+        epoch can be opened (then there is always more)."""
+        if self.epochs_opened < self.max_epochs:
+            return None
+        return len(self.entries) - self.in_state[State.TRAINED]
+
     def grant(self, key: Key, actor: str, deadline: float) -> None:
         entry = self.entries[key]
         assert entry.state is State.PENDING, f"grant of {key} in state {entry.state}"
-        entry.state, entry.actor, entry.deadline = State.GRANTED, actor, deadline
+        self._move(entry, State.GRANTED)
+        entry.actor, entry.deadline = actor, deadline
         self.granted[key] = None
 
     def may_deliver(self, key: Key, actor: str) -> bool:
@@ -110,7 +122,8 @@ class Ledger:
             return False
         assert entry.state is State.GRANTED or entry.lapsed, f"receive of {key}: never granted"
         self.granted.pop(key, None)
-        entry.state, entry.actor, entry.lapsed = State.RECEIVED, None, ()
+        self._move(entry, State.RECEIVED)
+        entry.actor, entry.lapsed = None, ()
         return True
 
     def requeue(self, key: Key, reason: str, front: bool = True) -> None:
@@ -123,14 +136,20 @@ class Ledger:
         self.granted.pop(key, None)
         if entry.state is State.GRANTED and reason in LAPSES and holder is not None and holder not in entry.lapsed:
             entry.lapsed = (*entry.lapsed, holder)
-        entry.state, entry.actor = State.PENDING, None
+        self._move(entry, State.PENDING)
+        entry.actor = None
         (self.queue.appendleft if front else self.queue.append)(key)
         self.counts[f"requeued_{reason}"] += 1
 
     def trained(self, key: Key) -> None:
         entry = self.entries[key]
         assert entry.state is State.RECEIVED, f"trained {key} in state {entry.state}"
-        entry.state = State.TRAINED
+        self._move(entry, State.TRAINED)
+
+    def _move(self, entry: Entry, state: State) -> None:
+        self.in_state[entry.state] -= 1
+        self.in_state[state] += 1
+        entry.state = state
 
     def expire(self, now: float) -> list[Key]:
         """Requeue every grant whose lease passed."""
@@ -147,12 +166,12 @@ class Ledger:
         return held
 
     def state_counts(self) -> dict[str, int]:
-        c = Counter(e.state.value for e in self.entries.values())
-        return {s.value: c.get(s.value, 0) for s in State}
+        return {s.value: self.in_state[s] for s in State}
 
     def check(self) -> None:
-        """Invariant: every prompt of every opened epoch has exactly one entry."""
+        """Invariants: every prompt of every opened epoch has exactly one entry; the per-state counts are exact."""
         assert len(self.entries) == self.epochs_opened * self.num_prompts, "ledger lost or invented a prompt"
+        assert +self.in_state == Counter(e.state for e in self.entries.values()), "ledger state counts drifted"
 
     # ---- checkpoint ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -190,6 +209,7 @@ class Ledger:
         lost = sorted(k for k, e in ledger.entries.items() if e.state in (State.GRANTED, State.RECEIVED))
         for key in lost:
             ledger.entries[key].state = State.PENDING
+        ledger.in_state = Counter(e.state for e in ledger.entries.values())
         ledger.queue = deque([*lost, *queue])
         pending = sum(e.state is State.PENDING for e in ledger.entries.values())
         assert pending == len(ledger.queue), f"ledger state: {pending} pending prompts, {len(ledger.queue)} queued"

@@ -51,7 +51,9 @@ class DataConfig:
     val_fraction: float = 0.0  # share of the prompt set held out for validation (never trained on)
     test_path: str = ""  # separate test set (same forms as data.path), evaluated like the validation split
     test_split: str = "test"  # split of a hub dataset at data.test_path
-    epochs: int = 1000  # passes over the prompt set at most: the run ends at train.total_steps or when these run out (learner.data_exhausted), whichever comes first
+    # Passes over the prompt set at most: the run ends at train.total_steps or when these run out
+    # (learner.data_exhausted), whichever comes first.
+    epochs: int = 1000
     num_prompts: int = 0  # size of the prompt set when the file is not at hand, for `fleetrl plan` (0 = unknown)
     # prompt tokens allowed; 0 = actor.max_model_len - rollout.max_tokens, so every prompt can generate max_tokens.
     # Above that, a completion ends where prompt + completion reach actor.max_model_len (finish reason "length").

@@ -355,7 +355,9 @@ def test_an_actor_id_belongs_to_the_key_that_registered_it(tmp_path):
     addr = f"tcp://127.0.0.1:{port}"
     key_a = auth.client_keys(curve_config(keys, port, f"auth.client_key={keys}/clients/node-a.key_secret"), addr)
     key_b = auth.client_keys(curve_config(keys, port, f"auth.client_key={keys}/clients/node-b.key_secret"), addr)
-    hub = start_hub(curve_config(keys, port))
+    # These clients never heartbeat and the test waits 2 s per registration: under hub.silent_s' 4 s default,
+    # actor0 went silent (not live) before the checks on a loaded machine.
+    hub = start_hub(curve_config(keys, port, "hub.silent_s=25"))
     ctx = zmq.Context()
 
     def register(sock, actor_id):

@@ -151,14 +151,6 @@ async def send(sock: zmq.asyncio.Socket, msg: Message, identity: bytes | None = 
     await sock.send_multipart(frames, flags=flags, copy=False)
 
 
-def send_now(sock: zmq.Socket, msg: Message, identity: bytes) -> None:
-    """A send that never waits, on a plain (not asyncio) socket: raises zmq.Again at the peer's HWM and
-    EHOSTUNREACH for a peer that is gone. The hub's fast path (a shadow of its asyncio socket): an asyncio send
-    costs a future and a task switch even when the queue has room, which it nearly always has."""
-    frames: list[Any] = [identity, *encode(msg)]
-    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-
-
 def decode_frames(frames: list[Any], max_frame_bytes: int) -> Message:
     """Decode received frames (zmq.Frame or bytes). Raises ProtocolError."""
     return decode(frames, max_frame_bytes)

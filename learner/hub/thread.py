@@ -55,9 +55,6 @@ class HubThread:
         self._monitor: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        # A plain shadow of _sock for what never waits: reads of what is queued, sends with room (nearly all).
-        self._now: zmq.Socket | None = None
-        self._waiting = 0  # sends waiting for room in a peer's queue (_send_waiting)
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fleetrl-hub", daemon=True)
         self._start_error: BaseException | None = None
@@ -123,7 +120,6 @@ class HubThread:
             ctx.term()
             return
         self.log.info("hub.listening", bind=self.cfg.hub.bind, curve=self._keys is not None)
-        self._now = zmq.Socket.shadow(self._sock.underlying)
         monitor = transport.watch_disconnects(self._sock)
         self._monitor = zmq.Socket.shadow(monitor.underlying)  # drained synchronously, see _drain_disconnects
         poller = zmq.asyncio.Poller()
@@ -141,15 +137,13 @@ class HubThread:
                 # flood the poll's own overhead was most of the cost). Bounded, so stopping stays prompt.
                 for _ in range(DRAIN):
                     try:
-                        frames = self._now.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        frames = await self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    if outs := self._on_frames(frames):
-                        await self._deliver(outs)
+                    await self._on_frames(frames)
         finally:
             housekeeping.cancel()
             self._monitor = None
-            self._now = None
             self._sock.disable_monitor()
             monitor.close(linger=0)
             self._sock.close(linger=0)
@@ -157,21 +151,20 @@ class HubThread:
                 self._gate.stop()
             ctx.term()
 
-    def _on_frames(self, frames: list) -> list[Out]:
-        """One message: what to send in answer (the caller delivers it). Never waits."""
+    async def _on_frames(self, frames: list) -> None:
         identity, body = frames[0].bytes, frames[1:]
         key = None
         if self._gate is not None:
             key = self._gate.admits(body[0]) if body else None
             if key is None:
-                return []  # its key was revoked after it connected: dropped unanswered (counted by the gate)
+                return  # its key was revoked after it connected: dropped unanswered (counted by the gate)
         # Disconnects first: a closed connection's fd can be reused by the very connection this message came on.
         self._drain_disconnects()
         if self._closed and identity in self._closed:
             if time.monotonic() - self._closed[identity] < CLOSED_GRACE_S:
                 with self.cond:
                     self.state.counters["from_closed_connections"] += 1  # queued before the close: its actor is gone
-                return []
+                return
             del self._closed[identity]
         fd = transport.peer_fd(frames[0])
         if fd is not None and self._fd_identity.get(fd) != identity:
@@ -184,7 +177,8 @@ class HubThread:
                 self.state.counters["protocol_errors"] += 1
             if (suppressed := self._throttles["bad_message"].ready()) is not None:
                 self.log.warning("hub.bad_message", error=detail, suppressed=suppressed)
-            return [Out(identity, m.Error(code="protocol", detail=detail))]
+            await self._deliver([Out(identity, m.Error(code="protocol", detail=detail))])
+            return
         now = time.monotonic()
         with self.cond:
             # Operations (learner/hub/core/control.py): one request, one reply; the client is not an actor.
@@ -198,66 +192,39 @@ class HubThread:
             else:
                 outs = self.state.handle(identity, msg, now, key)
             self.cond.notify_all()  # a group buffered or an eval answered: the training thread may be waiting on it
-        return outs
+        await self._deliver(outs)
 
     async def _deliver(self, outs: list[Out]) -> None:
-        """Send `outs` in order. What has room goes out at once through the plain shadow socket; a send that must
-        wait for room goes through the asyncio socket, and so does every send after it while one waits (pyzmq
-        queues those in order: a peer's messages never overtake one another)."""
         for i, out in enumerate(outs):
             if i and i % YIELD_EVERY == 0:
-                self._wake_reader()
                 await asyncio.sleep(0)  # a send with room never yields: let the socket's reader in during a long burst
             if out.reply:
-                self._reply(out.identity, out.msg)
-            elif self._waiting or not self._send_now(out.identity, out.msg):
-                await self._send_waiting(out.identity, out.msg)
-        if outs:
-            self._wake_reader()
+                await self._reply(out.identity, out.msg)
+            else:
+                await self._send(out.identity, out.msg)
 
-    def _wake_reader(self) -> None:
-        """A send through the shadow socket can take the socket's edge-triggered wake-up (libzmq handles its pending
-        commands in a send) from the poll waiting in _serve; reading EVENTS on the asyncio socket hands it back
-        (pyzmq reschedules its waiters when events are pending), as pyzmq's own asyncio send does."""
-        if self._sock is not None:
-            self._sock.get(zmq.EVENTS)
-
-    def _send_now(self, identity: bytes, msg: m.Message) -> bool:
-        """Send if the peer's queue has room (nearly always): True when done (a failure counted), False when it
-        must wait."""
-        assert self._now is not None, "hub socket used before bind"
-        try:
-            transport.send_now(self._now, msg, identity)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone
-            self._send_failed(msg, e)
-        return True
-
-    async def _send_waiting(self, identity: bytes, msg: m.Message) -> None:
-        """The peer's queue is full: wait for room, a while."""
+    async def _send(self, identity: bytes, msg: m.Message) -> bool:
         assert self._sock is not None, "hub socket used before bind"
-        self._waiting += 1
         try:
-            await asyncio.wait_for(transport.send(self._sock, msg, identity), timeout=SEND_TIMEOUT_S)
-        except (zmq.ZMQError, TimeoutError) as e:
-            self._send_failed(msg, e)
-        finally:
-            self._waiting -= 1
+            try:  # at once when its queue has room (nearly always): a timed wait costs a task per message
+                await transport.send(self._sock, msg, identity, flags=zmq.NOBLOCK)
+            except zmq.Again:  # its queue is full: wait for room, a while
+                await asyncio.wait_for(transport.send(self._sock, msg, identity), timeout=SEND_TIMEOUT_S)
+            return True
+        except (zmq.ZMQError, TimeoutError) as e:  # EHOSTUNREACH: the peer is gone
+            with self.cond:
+                self.state.counters["send_failures"] += 1
+            if (suppressed := self._throttles["send_failed"].ready()) is not None:
+                self.log.warning("hub.send_failed", msg=type(msg).__name__, error=str(e), suppressed=suppressed)
+            return False
 
-    def _send_failed(self, msg: m.Message, e: Exception) -> None:
-        with self.cond:
-            self.state.counters["send_failures"] += 1
-        if (suppressed := self._throttles["send_failed"].ready()) is not None:
-            self.log.warning("hub.send_failed", msg=type(msg).__name__, error=str(e), suppressed=suppressed)
-
-    def _reply(self, identity: bytes, msg: m.Message) -> None:
+    async def _reply(self, identity: bytes, msg: m.Message) -> None:
         """An answer (Error, RegisterAck) that never waits: a peer that sends without reading its replies fills its
         queue (HWM); waiting for room would hold up the hub's loop, and every honest actor with it, for up to
         SEND_TIMEOUT_S. Dropped at the HWM and counted (hub/replies_dropped), never buffered."""
-        assert self._now is not None, "hub socket used before bind"
+        assert self._sock is not None, "hub socket used before bind"
         try:
-            transport.send_now(self._now, msg, identity)
+            await transport.send(self._sock, msg, identity, flags=zmq.NOBLOCK)
         except zmq.ZMQError:  # EAGAIN: its queue is full; EHOSTUNREACH: it is gone
             with self.cond:
                 self.state.counters["replies_dropped"] += 1

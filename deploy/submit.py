@@ -46,10 +46,10 @@ class Node:
 
 
 def components(cfg: Config) -> list[list[str]]:
-    """sbatch options of the learner component, then of the actor component. The job-wide ones go with the first:
-    --requeue (a job that Slurm requeues or preempts starts again and resumes, fleet.sbatch) and, with
-    cluster.time_limit_grace_s, --signal=B:USR1@N (the batch script checkpoints and requeues the job before its
-    time limit). FLEETRL_SBATCH comes after them: "--no-requeue" there turns requeueing off."""
+    """sbatch options of the learner component, then of the actor component. Each gets --requeue (a job that Slurm
+    requeues or preempts starts again and resumes, fleet.sbatch); the first, whose node runs the batch script, gets
+    --signal=B:USR1@N with cluster.time_limit_grace_s (the script checkpoints and requeues the job before its time
+    limit). FLEETRL_SBATCH comes after them: "--no-requeue" there turns requeueing off."""
     c = cfg.cluster
     out = []
     for nodes, gpus in ((c.learner_nodes, c.learner_gpus_per_node), (c.actor_nodes, c.actor_gpus_per_node)):

@@ -211,7 +211,7 @@ class Ledger:
             ledger.entries[key].state = State.PENDING
         ledger.in_state = Counter(e.state for e in ledger.entries.values())
         ledger.queue = deque([*lost, *queue])
-        pending = sum(e.state is State.PENDING for e in ledger.entries.values())
+        pending = ledger.in_state[State.PENDING]
         assert pending == len(ledger.queue), f"ledger state: {pending} pending prompts, {len(ledger.queue)} queued"
         ledger.counts = Counter(state["counts"])
         ledger.counts["requeued_resume"] += len(lost)

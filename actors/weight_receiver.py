@@ -127,7 +127,7 @@ class WeightReceiver:
         def build(made: Callable[[dist.ProcessGroup], None]) -> dist.ProcessGroup:
             # Its own store client: gloo's rendezvous blocks in `get` while a member is missing, holding the client.
             store = wg.open_store(host, port, is_master=False, timeout_s=sync.timeout_s)
-            return wg.open_group(store, bind, epoch, rank, sync.world_size, sync.timeout_s, backend, device, made)
+            return wg.open_group(store, bind, epoch, rank, sync.world_size, sync.timeout_s, backend, device, made, sync.lazy)
 
         self.group = waits.build(build, lambda group: wg.close_group(group, backend))
         self.joined, self.backend = (host, port, epoch), backend

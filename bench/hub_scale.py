@@ -23,9 +23,12 @@ a main group, a tenth that will hang, and up to 100 that will die. Phases, in or
            none trained twice (the trainer's keys are distinct), every trained prompt trained in the ledger.
 
 Then, with --mesh, weight-group formation (gloo): a group of each size formed from ranks spread over
-MESH_PROCS processes (threads in each; one rendezvous store), seconds from the start to every rank connected.
-gloo connects every pair of ranks (full mesh): each rank holds size - 1 connections, so a process holding
-m ranks needs about m x (size - 1) file descriptors; a size that cannot fit is reported, not tried.
+MESH_PROCS processes (threads in each; one rendezvous store), seconds from the start to every rank's store
+client connected, and to every rank's group built. Each size is formed twice. Connecting every pair (gloo's
+default, FleetRL's up to weights.gloo_mesh_ranks): each rank holds size - 1 connections, so a process holding
+m ranks needs about m x (size - 1) file descriptors; a size that cannot fit is reported, not tried. Lazily
+(larger groups): each rank connects only the pairs of the broadcast's binomial tree, and the build ends with
+the one-element probe broadcast that FleetRL's open_group makes, so "built" means connected.
 """
 
 from __future__ import annotations
@@ -333,18 +336,20 @@ MESH_PROCS = 4  # processes the ranks are spread over (the learner's rank 0 is i
 MESH_TIMEOUT_S = 120.0
 
 
-def _mesh_ranks(port: int, ranks: list[int], size: int, go: Any, out: mp.Queue) -> None:
+def _mesh_ranks(port: int, ranks: list[int], size: int, lazy: bool, go: Any, out: mp.Queue) -> None:
     import torch.distributed as dist
 
     from protocol import weights as wg
 
-    done: list[float] = []
+    stored: list[float] = []  # when each rank's store client had connected
+    done: list[float] = []  # when each rank's group was built (lazy: its probe broadcast done)
     errors: list[str] = []
 
     def join(rank: int) -> None:
         try:
             store = wg.open_store("127.0.0.1", port, is_master=False, timeout_s=MESH_TIMEOUT_S)
-            group = wg.open_group(store, "127.0.0.1", 1, rank, size, MESH_TIMEOUT_S)
+            stored.append(time.monotonic())
+            group = wg.open_group(store, "127.0.0.1", 1, rank, size, MESH_TIMEOUT_S, lazy=lazy)
             done.append(time.monotonic())
             keep.append(group)
         except (RuntimeError, dist.DistError) as e:
@@ -358,19 +363,20 @@ def _mesh_ranks(port: int, ranks: list[int], size: int, go: Any, out: mp.Queue) 
         t.start()
     for t in threads:
         t.join()
-    out.put((max(done) if done else math.nan, errors, len(os.listdir("/proc/self/fd"))))
-    go2 = out  # keep the groups open until every process has reported
-    del go2
-    time.sleep(2.0)
+    last = (max(stored) if stored else math.nan, max(done) if done else math.nan)
+    out.put((last, errors, len(os.listdir("/proc/self/fd"))))
+    time.sleep(2.0)  # keep the groups open until every process has reported
 
 
-def mesh(size: int) -> dict[str, Any]:
+def mesh(size: int, lazy: bool) -> dict[str, Any]:
+    """Form one gloo group of `size` ranks (every pair connected, or `lazy`: the broadcast tree's pairs)."""
     from protocol import weights as wg
 
     limit = os.sysconf("SC_OPEN_MAX")
     per_proc = math.ceil(size / MESH_PROCS)
-    need = per_proc * (size - 1)
-    row: dict[str, Any] = {"size": size, "connections": size * (size - 1) // 2, "fds": need, "limit": limit}
+    links = size - 1 if lazy else size * (size - 1) // 2  # a binomial tree has size - 1 edges
+    need = per_proc * (2 * math.ceil(math.log2(size)) + 4 if lazy else size - 1)
+    row: dict[str, Any] = {"size": size, "how": "lazy" if lazy else "every pair", "connections": links, "fds": need}
     if need > limit * 0.9:
         row["result"] = f"not tried: {need:,} fds per process > the limit {limit:,}"
         return row
@@ -378,7 +384,7 @@ def mesh(size: int) -> dict[str, Any]:
     store = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=MESH_TIMEOUT_S)
     go, out = spawn.Event(), spawn.Queue()
     ranks, nprocs = list(range(size)), min(MESH_PROCS, size)
-    procs = [spawn.Process(target=_mesh_ranks, args=(store.port, ranks[i::nprocs], size, go, out)) for i in range(nprocs)]
+    procs = [spawn.Process(target=_mesh_ranks, args=(store.port, ranks[i::nprocs], size, lazy, go, out)) for i in range(nprocs)]
     for p in procs:
         p.start()
     for _ in procs:
@@ -389,7 +395,9 @@ def mesh(size: int) -> dict[str, Any]:
     for p in procs:
         p.join(timeout=30)
     errors = [e for r in results for e in r[1]]
-    row["seconds"] = max(r[0] for r in results if not math.isnan(r[0])) - t0 if not errors else math.nan
+    if not errors:
+        row["stores_s"] = max(r[0][0] for r in results) - t0
+        row["seconds"] = max(r[0][1] for r in results) - t0
     row["fds_seen"] = max(r[2] for r in results)
     row["result"] = f"failed: {len(errors)} ranks, {errors[0]}" if errors else "formed"
     return row
@@ -401,12 +409,12 @@ def main() -> None:
     ap.add_argument("--actors", default="10,100,300,1000", help="fleet sizes, comma-separated")
     ap.add_argument("--seconds", type=float, default=60.0, help="the steady phase per fleet size")
     ap.add_argument("--hang-s", type=float, default=15.0, help="how long the tenth hangs")
-    ap.add_argument("--mesh", default="2,10,50,100", help="weight-group sizes to form (gloo); empty: none")
+    ap.add_argument("--mesh", default="2,10,50,100,300,1000", help="weight-group sizes to form (gloo); empty: none")
     ap.add_argument("overrides", nargs="*", help="the hub's config overrides, section.field=value (e.g. hub.silent_s=30)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.actors.split(",") if x]
     rows = [run_scale(n, args.seconds, args.hang_s, args.overrides) for n in sizes]
-    meshes = [mesh(int(x)) for x in args.mesh.split(",") if x]
+    meshes = [mesh(int(x), lazy) for x in args.mesh.split(",") if x for lazy in (False, True)]
     extra = "".join(f" {o}" for o in args.overrides)
     cmd = f"python -m bench.hub_scale --actors {args.actors} --seconds {args.seconds:g} --hang-s {args.hang_s:g} --mesh {args.mesh}{extra}"
     print(f"\n`{cmd}`; {machine()}; {datetime.date.today().isoformat()}.\n")
@@ -438,11 +446,13 @@ def main() -> None:
         )
     if meshes:
         print(f"\nWeight-group formation, gloo (ranks in {MESH_PROCS} processes, threads in each):\n")
-        print("| members | connections (pairs) | fds per process | formed in | result |")
-        print("|--:|--:|--:|--:|---|")
+        print("| ranks | connects | connections | fds per process (seen) | store clients in | formed in | result |")
+        print("|--:|---|--:|--:|--:|--:|---|")
         for r in meshes:
             secs = f"{r['seconds']:.1f} s" if "seconds" in r else "-"
-            print(f"| {r['size']:,} | {r['connections']:,} | {r['fds']:,} | {secs} | {r['result']} |")
+            stores = f"{r['stores_s']:.1f} s" if "stores_s" in r else "-"
+            seen = f" ({r['fds_seen']:,})" if "fds_seen" in r else ""
+            print(f"| {r['size']:,} | {r['how']} | {r['connections']:,} | {r['fds']:,}{seen} | {stores} | {secs} | {r['result']} |")
 
 
 if __name__ == "__main__":

@@ -284,6 +284,7 @@ class WeightSync(Message):
     shapes: list[list[int]]
     dtype: str  # every parameter is sent in this dtype
     bucket_bytes: int
+    lazy: bool = False  # gloo: connect only the pairs the broadcast uses (protocol.weights.open_group); all ranks agree
 
     def check(self) -> None:
         if len(self.names) != len(self.shapes):

@@ -44,6 +44,7 @@ from protocol.messages import WEIGHT_BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU = ""  # the device identity of a rank without a GPU
+GLOO_MESH_RANKS = 32  # the default weights.gloo_mesh_ranks: larger gloo groups connect lazily (plan_group)
 
 
 def device_identity(device: torch.device) -> str:
@@ -72,10 +73,15 @@ class GroupPlan:
     first: tuple[int, ...]
     counts: tuple[int, ...]
     fallback: str  # why an epoch with GPUs in it runs on gloo ("" when it does not): logged by the learner
+    lazy: bool = False  # gloo: connect only the pairs the broadcast uses, when first used (`open_group`)
 
 
-def plan_group(learner: str, members: list[tuple[str, list[str]]]) -> GroupPlan:
-    """The backend and rank layout for rank 0 on device `learner` plus `members` as (actor id, device identities)."""
+def plan_group(learner: str, members: list[tuple[str, list[str]]], mesh_ranks: int = GLOO_MESH_RANKS) -> GroupPlan:
+    """The backend and rank layout for rank 0 on device `learner` plus `members` as (actor id, device identities).
+
+    A gloo group of more than `mesh_ranks` ranks connects lazily: each rank then holds the few connections of
+    the broadcast's tree (about log2 N) instead of one to every other rank (N - 1), and forming it costs no
+    N² connects (docs/architecture.md, "How large one weight group can be")."""
     first, counts, rank = [], [], 1
     owners: dict[str, list[str]] = {}  # device identity -> who has a rank on it
     if learner != CPU:
@@ -98,7 +104,8 @@ def plan_group(learner: str, members: list[tuple[str, list[str]]]) -> GroupPlan:
         why = "; ".join(f"{' and '.join(who)} share GPU {d}" for d, who in shared.items()) + " (NCCL takes one rank per GPU)"
     elif gpus:
         why = f"{len(identities) - len(gpus)} of {len(identities)} ranks are on the CPU"
-    return GroupPlan(backend="gloo", world_size=rank, first=tuple(first), counts=tuple(counts), fallback=why)
+    lazy = rank > mesh_ranks
+    return GroupPlan(backend="gloo", world_size=rank, first=tuple(first), counts=tuple(counts), fallback=why, lazy=lazy)
 
 
 def group_device(backend: str, local: torch.device) -> torch.device:
@@ -177,12 +184,21 @@ def open_group(
     backend: str = "gloo",
     device: torch.device | None = None,
     made: Callable[[dist.ProcessGroup], None] | None = None,
+    lazy: bool = False,
 ) -> dist.ProcessGroup:
     """Join weight-group `epoch`: gloo bound to `bind_host` (this side's own address), or NCCL on `device`.
 
     Blocks until all `world_size` members have joined, or raises after the timeout. `made(group)` is told
     of an NCCL group as soon as it exists, before its communicator connects, so that a caller that stops
     waiting can abort it (protocol/abortable.py's `Abortable.build`); gloo's group exists only once connected.
+
+    gloo connects every pair of ranks as the group is built, unless `lazy` (every rank must agree: the
+    learner's plan_group decides). A lazy group connects a pair when an operation first uses it, and its
+    constructor returns without waiting for the others. So a lazy build ends with one broadcast of a single
+    element, which connects the pairs the weight broadcasts will use (gloo's broadcast is a binomial tree from
+    rank 0 whatever the size), and rank 0 then waits for every member's "connected" key: "built" still means
+    "connected", and a member that cannot be reached fails the join, within the join deadline, not the first
+    bucket.
     """
     prefixed = dist.PrefixStore(f"fleetrl-weights/epoch-{epoch}", store)
     timeout = timedelta(seconds=timeout_s)
@@ -193,8 +209,17 @@ def open_group(
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
     # Bind gloo's transport to the given address only, not to whatever the hostname resolves to.
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    return typing.cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefixed, rank, world_size, opts))
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host, lazy_init=lazy)]
+    group = typing.cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefixed, rank, world_size, opts))
+    if lazy:
+        broadcast(group, torch.zeros(1))
+        # Rank 0's part ends once its own children hold the element, not the whole tree: it waits for every
+        # member's word that its part (its parent's and its children's connections) is done too.
+        if rank == 0:
+            prefixed.wait([f"connected/{r}" for r in range(1, world_size)], timeout)
+        else:
+            prefixed.set(f"connected/{rank}", "1")
+    return group
 
 
 # What ProcessGroupNCCL's constructor reads from the environment, and what ours must have.

@@ -34,7 +34,7 @@ POLL_S = 0.02  # how often a long wait re-checks for a removed member: the laten
 JOIN_POLL_S = 0.005  # how often rank 0 looks for the members' joined keys
 # gloo connects every pair of ranks through rank 0's store: forming a group takes time that grows with the square of
 # its size, and past about this many ranks it outlasts weights.join_timeout_s' default (docs/architecture.md).
-GLOO_MESH_RANKS = 100
+GLOO_MESH_WARN_RANKS = 100
 
 
 class Attempts:
@@ -88,15 +88,16 @@ class Attempts:
                 world_size=plan.world_size,
                 probation=att.side,
             )
-            if plan.backend == "gloo" and plan.world_size > GLOO_MESH_RANKS:
+            if plan.backend == "gloo" and not plan.lazy and plan.world_size > GLOO_MESH_WARN_RANKS:
                 self.log.warning(
                     "weights.large_gloo_group",
                     epoch=att.epoch,
                     world_size=plan.world_size,
                     join_timeout_s=self.cfg.join_timeout_s,
-                    why=f"gloo connects every pair of ranks; past {GLOO_MESH_RANKS} ranks forming the group can outlast the join "
+                    why=f"gloo connects every pair of ranks; past {GLOO_MESH_WARN_RANKS} ranks forming the group can outlast the join "
                     "deadline, and members that miss it are evicted",
-                    how="raise weights.join_timeout_s above the formation time (docs/benchmarks.md), or run fewer, larger actors",
+                    how="lower weights.gloo_mesh_ranks (larger groups then connect only the pairs the broadcast uses), or "
+                    "raise weights.join_timeout_s above the formation time (docs/benchmarks.md)",
                 )
             if plan.fallback:
                 self.log.warning(
@@ -123,6 +124,7 @@ class Attempts:
                 shapes=self.shapes,
                 dtype=self.dtype,
                 bucket_bytes=self.cfg.bucket_mb << 20,
+                lazy=plan.lazy,
             )
 
         fleet.send_weight_sync(members, make)
@@ -255,6 +257,7 @@ class Attempts:
             backend,
             wg.group_device(backend, self.device),
             made,
+            att.plan.lazy,
         )
 
     def _give_up(self, att: Attempt, side: dist.ProcessGroup | None, error: RuntimeError, elapsed: float) -> None:

@@ -28,10 +28,12 @@ from protocol import weights as wg
 
 
 class SenderState(Generic[G]):
-    def __init__(self, identity: str, join_timeout_s: float):
-        """`identity`: the learner's device identity, what plan_group compares with the members' devices."""
+    def __init__(self, identity: str, join_timeout_s: float, mesh_ranks: int = wg.GLOO_MESH_RANKS):
+        """`identity`: the learner's device identity, what plan_group compares with the members' devices;
+        `mesh_ranks`: weights.gloo_mesh_ranks, past which a gloo epoch connects lazily."""
         self.identity = identity
         self.join_timeout_s = join_timeout_s
+        self.mesh_ranks = mesh_ranks
         self.epoch = 0  # the last epoch number given out
         self.members: list[str] = []  # of `group`
         self.group: G | None = None  # the everyone epoch's, once it connected
@@ -86,14 +88,14 @@ class SenderState(Generic[G]):
             assert self.plan is not None
             plan, epoch = self.plan, self.group_epoch
         elif side:
-            plan = wg.plan_group(self.identity, list(zip(members, devices, strict=True)))
+            plan = wg.plan_group(self.identity, list(zip(members, devices, strict=True)), self.mesh_ranks)
             self.epoch += 1
             epoch = self.epoch
         else:
             # The old group has nothing in flight (a failed attempt already dropped it): it can go.
             if self.group is not None and self.plan is not None:
                 close = (self.group, self.plan.backend)
-            plan = wg.plan_group(self.identity, list(zip(members, devices, strict=True)))
+            plan = wg.plan_group(self.identity, list(zip(members, devices, strict=True)), self.mesh_ranks)
             self.group, self.members, self.plan, self.stale = None, list(members), plan, False
             self.epoch += 1
             epoch = self.group_epoch = self.epoch

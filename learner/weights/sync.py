@@ -94,7 +94,7 @@ class WeightSender:
         control = wg.open_store(cfg.host, self.store.port, is_master=False, timeout_s=cfg.timeout_s)
         # `state` is shared with the fleet's membership listener under `_lock` (the rule: learner/weights/fleet.py).
         self._lock = threading.Lock()
-        self.state: SenderState[dist.ProcessGroup] = SenderState(self.identity, cfg.join_timeout_s)
+        self.state: SenderState[dist.ProcessGroup] = SenderState(self.identity, cfg.join_timeout_s, cfg.gloo_mesh_ranks)
         stop = threading.Event()  # set when serving the version ends: the next sync, or the optimizer step
         self._attempts = Attempts(
             cfg,

@@ -102,6 +102,10 @@ class WeightsConfig:
     # Joining a new group epoch, from its WeightSyncs to the group connected (gloo's rendezvous, NCCL's communicator
     # init: seconds for a large NCCL group). A member that misses it is evicted and the epoch re-formed without it.
     join_timeout_s: float = 10.0
+    # A gloo group of more ranks than this connects lazily: each rank opens only the connections of the
+    # broadcast's tree (about log2 N), not one to every other rank (N - 1), so a large CPU fleet forms in
+    # seconds instead of N² connects (docs/architecture.md, "How large one weight group can be").
+    gloo_mesh_ranks: int = 32
     # ZeRO-3: where learner rank 0 keeps the full weights it serves between syncs. "device": its GPU, sent from
     # there; "host": pinned host memory, copied to the GPU a bucket at a time to send (for models whose full
     # weights do not fit beside training: 32B in bf16 is 64 GB). `fleetrl plan` counts the "device" copy.
@@ -111,6 +115,7 @@ class WeightsConfig:
         check_choices(self, "weights")
         need(self.bucket_mb >= 1, "weights.bucket_mb", "must be >= 1")
         need(self.join_timeout_s > 0, "weights.join_timeout_s", "must be > 0")
+        need(self.gloo_mesh_ranks >= 0, "weights.gloo_mesh_ranks", "must be >= 0 (0: every gloo group connects lazily)")
 
 
 @dataclass(kw_only=True, slots=True)

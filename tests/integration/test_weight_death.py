@@ -72,8 +72,10 @@ def digest(params: list[torch.Tensor]) -> str:
 
 
 @pytest.fixture
-def learner():
+def learner(request):
     addr = f"tcp://127.0.0.1:{free_port()}"
+    # weights.gloo_mesh_ranks: "lazy" (0) makes every gloo epoch connect lazily, as a large fleet's does
+    mesh = {"mesh": [], "lazy": ["weights.gloo_mesh_ranks=0"]}[getattr(request, "param", "mesh")]
     cfg = load_config(
         None,
         [
@@ -82,6 +84,7 @@ def learner():
             f"hub.actor_timeout_s={ACTOR_TIMEOUT_S}",
             f"weights.timeout_s={TIMEOUT_S}",
             "weights.bucket_mb=8",
+            *mesh,
         ],
     )
     hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()))
@@ -109,6 +112,7 @@ def step(opt, params) -> None:
     opt.step()
 
 
+@pytest.mark.parametrize("learner", ["mesh", "lazy"], indirect=True)
 def test_dead_and_hung_members_are_dropped_and_the_survivors_served(learner):
     addr, hub, sender, params, opt, members = learner
     a, b, victim = Member(addr, "a"), Member(addr, "b"), Member(addr, "victim", "--block-at", "2")

@@ -92,7 +92,8 @@ def test_an_abandoned_build_drops_what_it_made_then_and_later():
 # ---- the learner's delay, with real members ---------------------------------------------------------------
 @pytest.fixture
 def learner(request):
-    device = getattr(request, "param", "cpu")
+    # "cpu-lazy": every gloo epoch connects lazily (weights.gloo_mesh_ranks=0), as a large fleet's does
+    device, _, lazy = getattr(request, "param", "cpu").partition("-")
     addr = f"tcp://127.0.0.1:{free_port()}"
     # hub.actor_timeout_s is long: a silent member still heartbeats, and must be caught by the join deadline.
     cfg = load_config(
@@ -104,6 +105,7 @@ def learner(request):
             f"weights.timeout_s={TIMEOUT_S}",
             f"weights.join_timeout_s={JOIN_S}",
             "weights.bucket_mb=2",
+            *(["weights.gloo_mesh_ranks=0"] if lazy else []),
         ],
     )
     hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()))
@@ -155,10 +157,13 @@ def served(members, version, timeout) -> tuple[float, str, set[int]]:
     return time.monotonic() - t0, d, {g["epoch"] for g in got}
 
 
-@pytest.mark.parametrize("mode", ["--silent", "--stall-join"])
+@pytest.mark.parametrize(
+    "learner, mode", [("cpu", "--silent"), ("cpu", "--stall-join"), ("cpu-lazy", "--stall-join")], indirect=["learner"]
+)
 def test_a_member_that_never_joins_holds_training_up_once_for_the_join_deadline(learner, mode):
     """--silent: registers and never takes its WeightSync (never sets its joined key): evicted at the deadline.
-    --stall-join: sets its joined key and never connects: the group's connect gives up at the deadline.
+    --stall-join: sets its joined key and never connects: the group's connect gives up at the deadline. In a lazy
+    epoch (cpu-lazy) the others' group builds at once, and its first broadcast (the build's probe) waits instead.
     Either way the learner's next step waits the deadline once; the following syncs and steps wait for nothing."""
     addr, hub, sender, params, opt, members = learner
     a, b, bad = Member(addr, "a"), Member(addr, "b"), Member(addr, "bad", mode)

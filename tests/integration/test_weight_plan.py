@@ -64,6 +64,71 @@ def test_tensor_parallel_members_hold_consecutive_ranks():
     assert shared.backend == "gloo" and "tp2 worker 1 and other share GPU " + B in shared.fallback
 
 
+def test_a_large_gloo_group_connects_lazily_and_nccl_never_does():
+    cpu = [(f"a{i}", [""]) for i in range(40)]
+    assert not wg.plan_group(wg.CPU, cpu[:31]).lazy  # 32 ranks: every pair, as before
+    assert wg.plan_group(wg.CPU, cpu[:32]).lazy  # 33 ranks (the default weights.gloo_mesh_ranks is 32)
+    assert not wg.plan_group(wg.CPU, cpu, mesh_ranks=41).lazy and wg.plan_group(wg.CPU, cpu[:1], mesh_ranks=0).lazy
+    gpus = [(f"g{i}", [f"cuda:GPU-{i}"]) for i in range(40)]
+    assert not wg.plan_group(L, gpus, mesh_ranks=0).lazy  # NCCL connects its own rings and trees
+
+
+def _rank_threads(port: int, ranks: list[int], size: int, lazy: bool, out) -> None:
+    """Ranks of one gloo group, a thread each: their result, and the sockets this process holds at the end."""
+
+    got: dict[int, float] = {}
+    keep = []
+
+    def rank(r: int) -> None:
+        store = wg.open_store("127.0.0.1", port, is_master=False, timeout_s=60)
+        group = wg.open_group(store, "127.0.0.1", 1, r, size, 60, lazy=lazy)
+        x = torch.full((1000,), 7.0 if r == 0 else -1.0)
+        wg.broadcast(group, x)
+        got[r] = float(x.sum())
+        keep.append(group)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sockets = 0
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            sockets += os.readlink(f"/proc/self/fd/{f}").startswith("socket:")
+        except FileNotFoundError:  # the listing's own descriptor, closed by now
+            pass
+    out.put((got, sockets))
+
+
+def _group_sockets(size: int, lazy: bool) -> int:
+    import multiprocessing as mp
+
+    spawn = mp.get_context("spawn")
+    store = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=60)
+    out = spawn.Queue()
+    procs = [spawn.Process(target=_rank_threads, args=(store.port, list(range(size))[i::2], size, lazy, out)) for i in range(2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    got = {r: v for res in results for r, v in res[0].items()}
+    assert got == {r: 7000.0 for r in range(size)}  # every rank holds rank 0's bytes
+    return sum(res[1] for res in results)
+
+
+def test_a_lazy_gloo_group_holds_only_its_broadcast_trees_connections():
+    """40 ranks in 2 processes: connected every pair to every pair, the processes hold 40 x 39 sockets for the
+    group; lazily, the 39 edges of gloo's binomial broadcast tree (2 sockets each) plus each rank's listener and
+    store client. The broadcast delivers the same bytes either way."""
+    size = 40
+    mesh, lazy = _group_sockets(size, lazy=False), _group_sockets(size, lazy=True)
+    assert mesh >= size * (size - 1), mesh
+    assert lazy <= 2 * (size - 1) + 3 * size, lazy  # tree edges, plus a listener, a store client and slack per rank
+    print(f"{size} ranks: {mesh} sockets connected every pair, {lazy} lazily")
+
+
 def test_landing_buffer_for_gloo_is_host_memory():
     buf = wg.landing_buffer(10, torch.bfloat16, "gloo", torch.device("cpu"))
     assert buf.device.type == "cpu" and buf.dtype == torch.bfloat16 and buf.numel() == 10 and not buf.is_pinned()

@@ -49,6 +49,7 @@ class WeightReceiver:
         self.control_at: tuple[str, int] | None = None
         self.buffer: torch.Tensor | None = None  # one landing buffer kept across syncs (fresh memory page-faults on first touch)
         self.graveyard = Graveyard()
+        self.build_store = wg.BuildStore()  # the store client group builds use, reused while free
 
     def receive(self, sync: WeightSync, rank: int, load: Load) -> WeightsReceived:
         """Join `sync.group_epoch` as `rank` if it is new, receive every bucket into `load`; a failure comes back as
@@ -103,6 +104,7 @@ class WeightReceiver:
         self.group, self.joined, self.buffer = None, None, None
         if drop_store:
             self.control, self.control_at = None, None
+            self.build_store = wg.BuildStore()  # its free client may be connected to a store that is gone
         self.graveyard.prune()
 
     def _control(self, sync: WeightSync) -> dist.TCPStore:
@@ -125,9 +127,11 @@ class WeightReceiver:
         bind = local_addr_towards(host, port)
 
         def build(made: Callable[[dist.ProcessGroup], None]) -> dist.ProcessGroup:
-            # Its own store client: gloo's rendezvous blocks in `get` while a member is missing, holding the client.
-            store = wg.open_store(host, port, is_master=False, timeout_s=sync.timeout_s)
-            return wg.open_group(store, bind, epoch, rank, sync.world_size, sync.timeout_s, backend, device, made, sync.lazy)
+            # A store client of its own (not `control`): gloo's rendezvous blocks in it while a member is missing.
+            store = self.build_store.take(host, port, sync.timeout_s)
+            group = wg.open_group(store, bind, epoch, rank, sync.world_size, sync.timeout_s, backend, device, made, sync.lazy)
+            self.build_store.give_back(host, port, store)
+            return group
 
         self.group = waits.build(build, lambda group: wg.close_group(group, backend))
         self.joined, self.backend = (host, port, epoch), backend

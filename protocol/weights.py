@@ -168,6 +168,34 @@ def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.
     return dist.TCPStore(host, bound, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach())
 
 
+class BuildStore:
+    """The store client group builds rendezvous on, reused from one build to the next.
+
+    A build blocks in its client while a member is missing (gloo's rendezvous `get`, a lazy group's connect),
+    holding the client's lock, and an abandoned build goes on blocking until its timeout: so a build never
+    shares its client with anything else. But a client whose build has returned is free again. Opening a new
+    one per build instead makes every member of a new epoch connect to rank 0's store at the same moment, a
+    connect storm that takes seconds at a few hundred members (docs/benchmarks.md).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: tuple[str, int, dist.TCPStore] | None = None
+
+    def take(self, host: str, port: int, timeout_s: float) -> dist.TCPStore:
+        """The free client for host:port, or a new one (a build still holding the free one keeps it)."""
+        with self._lock:
+            free, self._free = self._free, None
+        if free is not None and free[:2] == (host, port):
+            return free[2]
+        return open_store(host, port, is_master=False, timeout_s=timeout_s)
+
+    def give_back(self, host: str, port: int, store: dist.TCPStore) -> None:
+        """After a build on `store` returned: the next build may use it."""
+        with self._lock:
+            self._free = (host, port, store)
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """A TCP socket listening on `host`'s address only (IPv4 or IPv6, as `host` resolves)."""
     family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]

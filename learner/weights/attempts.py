@@ -62,6 +62,7 @@ class Attempts:
         self.buckets = buckets
         self.port = port
         self.control = control
+        self.build_store = wg.BuildStore()
         self.state = state
         self.lock = lock
         self.stop = stop
@@ -244,10 +245,10 @@ class Attempts:
         return group
 
     def _build(self, att: Attempt, made: Callable[[dist.ProcessGroup], None]) -> dist.ProcessGroup:
-        # A store client of its own: an abandoned rendezvous keeps blocking in it until its timeout.
-        store = wg.open_store(self.cfg.host, self.port, is_master=False, timeout_s=self.cfg.timeout_s)
+        # A store client of its own, not `control`: an abandoned rendezvous keeps blocking in it until its timeout.
+        store = self.build_store.take(self.cfg.host, self.port, self.cfg.timeout_s)
         backend = att.plan.backend
-        return wg.open_group(
+        group = wg.open_group(
             store,
             self.cfg.host,
             att.epoch,
@@ -259,6 +260,8 @@ class Attempts:
             made,
             att.plan.lazy,
         )
+        self.build_store.give_back(self.cfg.host, self.port, store)
+        return group
 
     def _give_up(self, att: Attempt, side: dist.ProcessGroup | None, error: RuntimeError, elapsed: float) -> None:
         """Tell the members the epoch is over (before returning: the optimizer may write the parameters next)."""

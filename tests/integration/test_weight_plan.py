@@ -299,3 +299,18 @@ def test_a_tensor_parallel_member_receives_on_every_worker_rank():
     # A worker beyond the ranks its actor registered refuses instead of joining as someone else's rank.
     stray = _Worker(2).ext.fleetrl_receive(ReceiveWeights(sync=by_actor["tp"]))
     assert stray.error is not None and "outside the 2 ranks" in stray.error and stray.buckets_loaded == 0
+
+
+def test_a_build_store_client_is_reused_only_once_its_build_returned():
+    master = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=10)
+    stores = wg.BuildStore()
+    first = stores.take("127.0.0.1", master.port, 10)
+    second = stores.take("127.0.0.1", master.port, 10)  # the first is still in a build: a client of its own
+    assert second is not first
+    stores.give_back("127.0.0.1", master.port, first)
+    assert stores.take("127.0.0.1", master.port, 10) is first  # its build returned: reused
+    stores.give_back("127.0.0.1", master.port, first)
+    other = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=10)  # a restarted learner's store
+    assert stores.take("127.0.0.1", other.port, 10) is not first
+    first.set("k", "v")  # the reused client works
+    assert master.get("k") == b"v"

@@ -46,7 +46,7 @@ def _bound(sock: zmq.Socket, hwm: int, max_frame_bytes: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_FACTOR * max_frame_bytes)
 
 
-def hub_socket(ctx: zmq.asyncio.Context, bind: str, hwm: int, max_frame_bytes: int, keys: ServerKeys | None = None) -> zmq.asyncio.Socket:
+def hub_socket(ctx: zmq.Context, bind: str, hwm: int, max_frame_bytes: int, keys: ServerKeys | None = None) -> zmq.Socket:
     """The hub's ROUTER; with `keys` a CURVE server (start the ZAP handler on `ctx` before this)."""
     sock = ctx.socket(zmq.ROUTER)
     _bound(sock, hwm, max_frame_bytes)

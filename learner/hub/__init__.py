@@ -5,6 +5,6 @@ batch buffer, evaluation rounds and the operator's live controls. Its decisions 
 sans-IO core: a message and the time in, the messages to send out). The shell around it:
 
     server.py       Hub: the learner's handle (the training thread's API, under the hub's lock)
-    thread.py       the hub thread: its uvloop loop, the ROUTER socket, disconnects, housekeeping
+    thread.py       the hub thread: its zmq_poll loop, the ROUTER socket, disconnects, housekeeping
     gatekeeper.py   the CURVE gate (ZAP): which client keys are admitted
 """

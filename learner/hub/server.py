@@ -3,7 +3,7 @@
 
     actors --Register/Heartbeat/WorkRequest/RolloutGroup/EvalResult/WeightVersion--> [ROUTER + CURVE gate]
                                                                                       |
-          hub thread (own uvloop loop; owns the socket): decode --> HubState.handle --> send what it returns
+          hub thread (a zmq_poll loop; owns the socket): decode --> HubState.handle --> send what it returns
           once a second: HubState.tick, RUN_DIR/control.toml, the allow-list   |  disconnect monitor
                                                                                       |
     training thread <-- take_batch() (blocks on `cond`) ------------------------------+

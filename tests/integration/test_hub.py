@@ -1,5 +1,8 @@
 """Bad input over the real socket: the hub answers with an error naming the problem, counts it, keeps going."""
 
+import threading
+import time
+
 import msgpack
 import numpy as np
 import zmq
@@ -75,3 +78,66 @@ def test_bad_input_is_answered_counted_and_survived():
         sock.close(linger=0)
         ctx.term()
         hub.stop()
+
+
+def test_a_peer_that_stops_reading_holds_up_only_its_own_messages(monkeypatch):
+    """The hub never blocks on a full peer: what finds its queue full waits in that peer's own line, in order, while
+    everyone else's messages go out at once; the line goes out when the peer reads again, and what is still
+    waiting after SEND_TIMEOUT_S fails (counted in hub/send_failures)."""
+    from learner.hub import thread
+    from learner.hub.core.records import Out
+
+    monkeypatch.setattr(thread, "SEND_TIMEOUT_S", 3.0)
+    port = free_port()
+    cfg = load_config(None, [f"hub.bind=tcp://127.0.0.1:{port}", "hub.hwm=2"])
+    hub = Hub(cfg, PromptSet(addition_items(), build_tokenizer()))
+    hub.start()
+    ctx = zmq.Context()
+    socks = {}
+    try:
+        for name in ("slow", "fast"):
+            s = socks[name] = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.RCVHWM, 2)
+            s.setsockopt(zmq.RCVBUF, 4096)
+            s.connect(f"tcp://127.0.0.1:{port}")
+            assert isinstance(_ask(s, encode(m.Register(actor_id=name, host="h", pid=1, served_version=0))), m.RegisterAck)
+        with hub.cond:
+            ident = {a: st.identity for a, st in hub.state.actors.items()}
+        big = "x" * (256 << 10)  # far more than the socket buffers hold: the slow peer's queue fills after a few
+
+        def flood(tag: str) -> threading.Event:
+            to_slow = [Out(ident["slow"], m.Shutdown(reason=f"{i} {tag} {big}"), reply=False) for i in range(40)]
+            done = threading.Event()
+            threading.Thread(target=lambda: (hub._thread.send(to_slow, timeout_s=30), done.set()), daemon=True).start()
+            return done
+
+        def read_slow() -> list[int]:
+            got = []
+            while socks["slow"].poll(500):
+                got.append(int(decode(socks["slow"].recv_multipart()).reason.split()[0]))
+            return got
+
+        # 1. The slow peer reads again within the deadline: its whole line goes out, in order.
+        done = flood("first")
+        time.sleep(0.5)
+        assert not done.is_set()  # the slow peer's line waits for room
+        t0 = time.monotonic()
+        hub._thread.send([Out(ident["fast"], m.Shutdown(reason="fast"), reply=False)], timeout_s=5)
+        assert socks["fast"].poll(2000) and decode(socks["fast"].recv_multipart()).reason == "fast"
+        assert time.monotonic() - t0 < 1.0  # not behind the slow peer's line
+        assert read_slow() == list(range(40))
+        assert done.wait(5) and hub.snapshot().get("hub/send_failures", 0) == 0
+
+        # 2. It does not: what still waits at SEND_TIMEOUT_S fails, and the request ends then.
+        t0 = time.monotonic()
+        done = flood("second")
+        assert done.wait(10)
+        waited = time.monotonic() - t0
+        got, failed = read_slow(), hub.snapshot().get("hub/send_failures", 0)
+        assert 2.5 < waited < 6.0, waited
+        assert got == list(range(len(got))) and failed > 0 and len(got) + failed == 40, (got, failed)
+    finally:
+        for s in socks.values():
+            s.close(linger=0)
+        hub.stop(tell_actors=False)
+        ctx.term()

@@ -340,7 +340,7 @@ def test_learner_stopped_and_resumed_while_the_actor_keeps_running(tmp_path, tin
     assert final["version"] == s * steps and final["updates"] == steps
     ledger = Ledger.from_state(final["hub"]["ledger"], max_epochs=1000)
     ledger.check()
-    trained = {k for k, e in ledger.entries.items() if e.state is State.TRAINED}
+    trained = {k for k, st in ledger.states().items() if st is State.TRAINED}
     assert len(trained) == steps * prompts and rows[-1]["ledger/trained"] == steps * prompts
     assert rows[resumed_from - 1]["ledger/trained"] == resumed_from * prompts
     # The actor's side: it saw the learner go, waited, registered again, and nothing failed.

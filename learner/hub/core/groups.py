@@ -45,11 +45,11 @@ def verdict(
     if not ledger.may_deliver(key, msg.actor_id):
         # A prompt of no opened epoch was granted to nobody: the actor's fault. A real prompt may be an honest
         # actor's late result whose lapsed grant went to another and came back (stale, aborted): no strike.
-        return Refusal("grant", f"not granted to {msg.actor_id!r}"), key not in ledger.entries
+        return Refusal("grant", f"not granted to {msg.actor_id!r}"), ledger.state_of(key) is None
     n = msg.lengths.shape[0]
     if n != samples_per_prompt:
         return Refusal("size", f"group has {n} samples, expected {samples_per_prompt}"), True
-    if ledger.entries[key].state in (State.GRANTED, State.PENDING):  # duplicates are dropped unread
+    if ledger.state_of(key) in (State.GRANTED, State.PENDING):  # duplicates are dropped unread
         refusal = check_group(msg, prompts[msg.prompt_id].tokens, limits)
         if refusal is not None:
             return refusal, refusal.reason not in NO_FAULT

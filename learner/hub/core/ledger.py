@@ -13,6 +13,10 @@ refused. A late result, from an actor whose lease on the prompt expired or which
 declared dead while holding it, is still taken while nobody else has delivered it (the
 work was done; wasting it helps no one).
 
+An epoch whose every prompt is trained is closed: its entries go, and a result for one of its
+prompts is a duplicate like any other. So the ledger holds the epochs still in play, not every
+epoch a long run has opened (a 60-minute soak opened 1,527).
+
 A learner checkpoint stores the ledger (`state_dict`). On resume (`from_state`) granted
 and received prompts go back to pending, at the front of the queue: the groups in the
 dead learner's buffer died with it, and an actor's late result for an old grant is
@@ -56,15 +60,16 @@ class Ledger:
         self.num_prompts = num_prompts
         self.max_epochs = max_epochs
         self.seed = seed
-        self.entries: dict[Key, Entry] = {}
+        self.entries: dict[Key, Entry] = {}  # the prompts of the epochs not yet closed
+        self.closed: set[int] = set()  # epochs whose every prompt is trained: no entries (`_close`)
+        self.trained_in: Counter[int] = Counter()  # trained prompts per epoch not yet closed
         self.queue: deque[Key] = deque()  # pending keys; may hold keys no longer pending (skipped on pop)
         # The keys in state granted, in grant order: admission's count of leases and the lease check read this, not
         # every entry (the entries grow by a pass over the data each epoch; the hub asks on every message).
         self.granted: dict[Key, None] = {}
         self.epochs_opened = 0
         self.counts: Counter[str] = Counter()  # requeued_stale, requeued_lease, requeued_dead, duplicates
-        # Entries per state, kept as they move: the metrics row reads it every update, and the entries grow by a
-        # pass over the data each epoch (a long run holds millions).
+        # Prompts per state (closed epochs' included), kept as they move: the metrics row reads it every update.
         self.in_state: Counter[State] = Counter()
 
     def _open_epoch(self) -> bool:
@@ -85,7 +90,7 @@ class Ledger:
         while True:
             while self.queue:
                 key = self.queue.popleft()
-                if self.entries[key].state is State.PENDING:
+                if self.state_of(key) is State.PENDING:
                     return key
             if not self._open_epoch():
                 return None
@@ -95,7 +100,25 @@ class Ledger:
         epoch can be opened (then there is always more)."""
         if self.epochs_opened < self.max_epochs:
             return None
-        return len(self.entries) - self.in_state[State.TRAINED]
+        return self.size - self.in_state[State.TRAINED]
+
+    @property
+    def size(self) -> int:
+        """Prompts of the opened epochs, closed ones included."""
+        return self.epochs_opened * self.num_prompts
+
+    def state_of(self, key: Key) -> State | None:
+        """Where `key` is; None for a prompt of no opened epoch."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            return entry.state
+        return State.TRAINED if key[0] in self.closed else None
+
+    def states(self) -> dict[Key, State]:
+        """Every prompt of the opened epochs and its state (closed epochs' included): for checks, not hot paths."""
+        out = {(e, p): State.TRAINED for e in sorted(self.closed) for p in range(self.num_prompts)}
+        out.update((k, e.state) for k, e in self.entries.items())
+        return out
 
     def grant(self, key: Key, actor: str, deadline: float) -> None:
         entry = self.entries[key]
@@ -109,15 +132,15 @@ class Ledger:
         that lapsed. A result for a prompt already received or trained is a duplicate: True, receive() counts it."""
         entry = self.entries.get(key)
         if entry is None:
-            return False
+            return key[0] in self.closed  # a closed epoch's prompt is trained: a duplicate
         if entry.state in (State.RECEIVED, State.TRAINED):
             return True
         return (entry.state is State.GRANTED and entry.actor == actor) or actor in entry.lapsed
 
     def receive(self, key: Key) -> bool:
         """A result arrived (may_deliver said so). True if it is the first for this prompt (then received)."""
-        entry = self.entries[key]
-        if entry.state in (State.RECEIVED, State.TRAINED):
+        entry = self.entries.get(key)
+        if entry is None or entry.state in (State.RECEIVED, State.TRAINED):  # None: of a closed epoch
             self.counts["duplicates"] += 1
             return False
         assert entry.state is State.GRANTED or entry.lapsed, f"receive of {key}: never granted"
@@ -145,6 +168,16 @@ class Ledger:
         entry = self.entries[key]
         assert entry.state is State.RECEIVED, f"trained {key} in state {entry.state}"
         self._move(entry, State.TRAINED)
+        self.trained_in[key[0]] += 1
+        if self.trained_in[key[0]] == self.num_prompts:
+            self._close(key[0])
+
+    def _close(self, epoch: int) -> None:
+        """Every prompt of `epoch` is trained: its entries go (their state is implied, see state_of)."""
+        for pid in range(self.num_prompts):
+            del self.entries[(epoch, pid)]
+        del self.trained_in[epoch]
+        self.closed.add(epoch)
 
     def _move(self, entry: Entry, state: State) -> None:
         self.in_state[entry.state] -= 1
@@ -170,8 +203,12 @@ class Ledger:
 
     def check(self) -> None:
         """Invariants: every prompt of every opened epoch has exactly one entry; the per-state counts are exact."""
-        assert len(self.entries) == self.epochs_opened * self.num_prompts, "ledger lost or invented a prompt"
-        assert +self.in_state == Counter(e.state for e in self.entries.values()), "ledger state counts drifted"
+        assert len(self.entries) + len(self.closed) * self.num_prompts == self.size, "ledger lost or invented a prompt"
+        recount = Counter(e.state for e in self.entries.values())
+        recount[State.TRAINED] += len(self.closed) * self.num_prompts
+        assert +self.in_state == recount, "ledger state counts drifted"
+        trained = Counter(k[0] for k, e in self.entries.items() if e.state is State.TRAINED)
+        assert +self.trained_in == trained and not self.closed & set(trained), "ledger per-epoch trained counts drifted"
 
     # ---- checkpoint ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -182,17 +219,22 @@ class Ledger:
         """
         queue, seen = [], set()
         for key in self.queue:
-            if key not in seen and self.entries[key].state is State.PENDING:
+            if key not in seen and self.state_of(key) is State.PENDING:
                 seen.add(key)
                 queue.append(list(key))
         return {
             "num_prompts": self.num_prompts,
             "seed": self.seed,
             "epochs_opened": self.epochs_opened,
-            "states": ["".join(_CODE[self.entries[(e, p)].state] for p in range(self.num_prompts)) for e in range(self.epochs_opened)],
+            "states": [self._codes(e) for e in range(self.epochs_opened)],
             "queue": queue,
             "counts": dict(self.counts),
         }
+
+    def _codes(self, epoch: int) -> str:
+        if epoch in self.closed:
+            return _CODE[State.TRAINED] * self.num_prompts
+        return "".join(_CODE[self.entries[(epoch, p)].state] for p in range(self.num_prompts))
 
     @classmethod
     def from_state(cls, state: dict[str, Any], max_epochs: int) -> Ledger:
@@ -200,16 +242,22 @@ class Ledger:
         ledger = cls(state["num_prompts"], max(max_epochs, state["epochs_opened"]), state["seed"])
         ledger.epochs_opened = state["epochs_opened"]
         assert len(state["states"]) == ledger.epochs_opened, "ledger state: one state string per opened epoch"
+        done = _CODE[State.TRAINED] * ledger.num_prompts
         for epoch, codes in enumerate(state["states"]):
             assert len(codes) == ledger.num_prompts, f"ledger state: epoch {epoch} has {len(codes)} prompts, not {ledger.num_prompts}"
+            if codes == done:
+                ledger.closed.add(epoch)
+                continue
             for pid, code in enumerate(codes):
                 ledger.entries[(epoch, pid)] = Entry(_STATE[code])
+            ledger.trained_in[epoch] = codes.count(_CODE[State.TRAINED])
         queue: list[Key] = [(int(e), int(p)) for e, p in state["queue"]]
-        assert all(ledger.entries[k].state is State.PENDING for k in queue), "ledger state: a queued prompt is not pending"
+        assert all(ledger.state_of(k) is State.PENDING for k in queue), "ledger state: a queued prompt is not pending"
         lost = sorted(k for k, e in ledger.entries.items() if e.state in (State.GRANTED, State.RECEIVED))
         for key in lost:
             ledger.entries[key].state = State.PENDING
         ledger.in_state = Counter(e.state for e in ledger.entries.values())
+        ledger.in_state[State.TRAINED] += len(ledger.closed) * ledger.num_prompts
         ledger.queue = deque([*lost, *queue])
         pending = ledger.in_state[State.PENDING]
         assert pending == len(ledger.queue), f"ledger state: {pending} pending prompts, {len(ledger.queue)} queued"

@@ -231,7 +231,7 @@ def _learner_config(args: argparse.Namespace) -> tuple[str, list[str]]:
         if args.config is None:
             raise UsageError("--config FILE is required (or --resume RUN_DIR)")
         return args.config, args.overrides
-    from learner.resume import latest_checkpoint
+    from learner.run_layout import latest_checkpoint
 
     run_dir = Path(args.resume)
     config = args.config or str(run_dir / "config.toml")

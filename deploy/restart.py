@@ -36,7 +36,10 @@ def main(argv: list[str]) -> int:
     if not (argv[:1] == ["resume"] and len(argv) == 3 or argv[:1] == ["newest"] and len(argv) == 2):
         print(usage, file=sys.stderr)
         return 2
-    from learner.resume import latest_checkpoint  # torch: imported only when asked
+    from learner.run_layout import latest_checkpoint
+    from protocol.logs import setup_logging
+
+    setup_logging("restart")  # its lines go to stderr: fleet.sbatch reads the answer from stdout
 
     run_dir = Path(argv[1])
     try:

@@ -133,7 +133,7 @@ def sbatch_argv(args: list[str]) -> tuple[list[str], dict[str, str]]:
     if args[:1] == ["--resume"]:
         if len(args) < 2:
             raise SubmitError("usage: submit.sh --resume RUN_DIR [section.field=value ...]")
-        from learner.resume import latest_checkpoint
+        from learner.run_layout import latest_checkpoint
 
         run_dir = Path(args[1])
         if latest_checkpoint(run_dir) is None:

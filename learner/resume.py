@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from learner.run_layout import LEARNER_FILE, STATE_DIR, latest_checkpoint
 from learner.train.distributed import Topology
 from protocol.config import ConfigError
 from protocol.logs import get_logger
@@ -46,8 +47,6 @@ from protocol.logs import get_logger
 if TYPE_CHECKING:
     from learner.train.trainer import Trainer
 
-STATE_DIR = "state"
-LEARNER_FILE = "learner.json"
 FORMAT = 1  # bump when LearnerState changes incompatibly
 
 
@@ -92,17 +91,6 @@ def read_learner_state(checkpoint: Path) -> LearnerState:
     if data.get("format") != FORMAT:
         raise ValueError(f"--resume: {checkpoint} has learner state format {data.get('format')}, this code reads {FORMAT}")
     return LearnerState(**data)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint with training state: step-N (renamed, so complete) holding state/learner.json."""
-    folder = Path(run_dir) / "checkpoints"
-    steps = sorted((int(p.name[5:]), p) for p in folder.glob("step-*") if p.name[5:].isdigit()) if folder.is_dir() else []
-    for _, path in reversed(steps):
-        if (path / STATE_DIR / LEARNER_FILE).is_file():
-            return path
-        get_logger().warning("resume.checkpoint_without_state", path=str(path))  # weights only: cannot continue from it
-    return None
 
 
 def agree_on_checkpoint(topo: Topology, run_dir: Path) -> Path:

@@ -44,3 +44,19 @@ def test_a_restarted_job_resumes_only_its_own_run_and_only_from_a_checkpoint(tmp
     assert resume_from(tmp_path, "17", checkpoint) == (checkpoint, "")
     found, why = resume_from(tmp_path, "17", None)
     assert found is None and "starts again from step 0" in why
+
+
+def test_the_restart_question_is_answered_without_torch(tmp_path: Path):
+    """fleet.sbatch asks `deploy.restart newest` at every start: it must not pay torch's import (seconds)."""
+    import subprocess
+    import sys
+
+    step = tmp_path / "checkpoints" / "step-3" / "state"
+    step.mkdir(parents=True)
+    (step / "learner.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step-5").mkdir()  # weights only: not one to resume from
+    code = "import sys, deploy.restart as r; rc = r.main(['newest', sys.argv[1]]); print('torch' in sys.modules); sys.exit(rc)"
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2]
+    )
+    assert out.stdout.split() == [str(tmp_path / "checkpoints" / "step-3"), "False"], out

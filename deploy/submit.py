@@ -49,7 +49,9 @@ def components(cfg: Config) -> list[list[str]]:
     """sbatch options of the learner component, then of the actor component. Each gets --requeue (a job that Slurm
     requeues or preempts starts again and resumes, fleet.sbatch); the first, whose node runs the batch script, gets
     --signal=B:USR1@N with cluster.time_limit_grace_s (the script checkpoints and requeues the job before its time
-    limit). FLEETRL_SBATCH comes after them: "--no-requeue" there turns requeueing off."""
+    limit), and --open-mode=append: the batch script's output file (on that node) keeps every start's lines, where
+    Slurm would truncate it at each start again. FLEETRL_SBATCH comes after them: "--no-requeue" there turns
+    requeueing off."""
     c = cfg.cluster
     out = []
     for nodes, gpus in ((c.learner_nodes, c.learner_gpus_per_node), (c.actor_nodes, c.actor_gpus_per_node)):
@@ -57,6 +59,7 @@ def components(cfg: Config) -> list[list[str]]:
     out[0] += [f"--signal=B:USR1@{c.time_limit_grace_s}"] if c.time_limit_grace_s else []
     for options in out:
         options.append("--requeue")  # each component: a cluster with JobRequeue=0 defaults every one to no
+    out[0].append("--open-mode=append")
     return out
 
 

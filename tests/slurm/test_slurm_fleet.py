@@ -84,15 +84,15 @@ class Job:
         return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def submit(slurm, tmp_path: Path, *args: str, code: int = 0) -> subprocess.CompletedProcess:
-    env = {**slurm.env, "FLEETRL_SBATCH": f"--output={tmp_path}/%x-%j.out"}
+def submit(slurm, tmp_path: Path, *args: str, code: int = 0, sbatch: str = "") -> subprocess.CompletedProcess:
+    env = {**slurm.env, "FLEETRL_SBATCH": f"--output={tmp_path}/%x-%j.out {sbatch}"}
     proc = subprocess.run([SUBMIT, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == code, proc.stderr
     return proc
 
 
-def submitted(slurm, tmp_path: Path, run_dir: Path, *args: str) -> Job:
-    out = submit(slurm, tmp_path, *args).stdout
+def submitted(slurm, tmp_path: Path, run_dir: Path, *args: str, sbatch: str = "") -> Job:
+    out = submit(slurm, tmp_path, *args, sbatch=sbatch).stdout
     assert out.startswith("Submitted batch job "), out
     return Job(slurm, out.split()[-1], run_dir)
 
@@ -290,3 +290,40 @@ def test_a_learner_crash_ends_the_job_promptly(slurm, config, tmp_path):
     assert took < 20, took
     assert_ended_clean(job, "FAILED", None, job.actors("n2"))
     assert slurm.exit_codes(job.id)[0] != "0:0"
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FLEETRL_SLURM_TIMER"), reason="Slurm's own time-limit signal takes minutes: FLEETRL_SLURM_TIMER=1 runs it"
+)
+def test_slurms_own_time_limit_signal_requeues_the_job(slurm, config, tmp_path):
+    """What test_a_requeued_job_resumes_by_itself sends by hand, from Slurm's own timer: a job submitted with a
+    3-minute limit gets USR1 cluster.time_limit_grace_s before it (submit.sh's --signal=B:USR1@100; Slurm sends
+    it up to a minute early), checkpoints, requeues itself, and resumes from that checkpoint on its start again."""
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    job = submitted(
+        slurm,
+        tmp_path,
+        run_dir,
+        *config,
+        f"run.dir={run_dir}",
+        "train.total_steps=100000",
+        "cluster.time_limit_grace_s=100",
+        sbatch="--time=3",
+    )
+    try:
+        stop = wait_for("the learner's checkpoint at the time-limit signal", lambda: job.learner("learner.done"), 240, job)[0]
+        signalled_s = time.monotonic() - t0
+        assert (run_dir / "checkpoints" / f"step-{stop['updates']}" / "state").exists()
+        wait_for("the start again", lambda: slurm.restarts(job.id) == 1 and slurm.job_state(job.id) == "RUNNING", 180)
+        resumed = wait_for("the resume", lambda: job.learner("learner.resumed_engines"), 180)
+        assert resumed[0]["checkpoint"].endswith(f"step-{stop['updates']}")
+        wait_for("training after the resume", lambda: len(job.rows()) >= stop["updates"] + 2, 180, job)
+        out = "".join(p.read_text() for p in tmp_path.glob("*.out"))  # both starts' lines: --open-mode=append
+        assert "the time limit is near: checkpointing, then requeueing" in out and "start 2 of job" in out, out[-2000:]
+        rows = job.rows()
+        assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+        print(f"USR1 from Slurm's timer {signalled_s:.0f} s after submission (--time=3, grace 100 s); resumed at step {stop['updates']}")
+    finally:
+        slurm.run(["scancel", job.id], check=False)
+        slurm.wait_done(job.id, 120)

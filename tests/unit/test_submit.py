@@ -12,7 +12,8 @@ from protocol.config import ConfigError, load_config
 
 def test_cpu_fleet_asks_for_no_gpu_and_requeues_before_its_time_limit():
     learner, actors = components(load_config(None, ["actor.device=cpu", "cluster.actor_nodes=2"]))
-    assert learner == ["--nodes=1", "--signal=B:USR1@300", "--requeue"]  # the signal goes to the batch script's component
+    # the signal goes to the batch script's component, whose output a start again appends to
+    assert learner == ["--nodes=1", "--signal=B:USR1@300", "--requeue", "--open-mode=append"]
     assert actors == ["--nodes=2", "--requeue"]
 
 
@@ -23,7 +24,7 @@ def test_gpu_fleet_asks_each_component_for_its_gpus():
 
 def test_grace_zero_sends_no_signal_and_a_bad_grace_is_one_line():
     learner, _ = components(load_config(None, ["actor.device=cpu", "cluster.time_limit_grace_s=0"]))
-    assert learner == ["--nodes=1", "--requeue"]
+    assert learner == ["--nodes=1", "--requeue", "--open-mode=append"]
     with pytest.raises(ConfigError, match=r"cluster.time_limit_grace_s: must be 0 \(off\) to 65535"):
         load_config(None, ["cluster.time_limit_grace_s=70000"])
 

@@ -156,6 +156,9 @@ def sbatch_argv(args: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def main(argv: list[str]) -> int:
+    from protocol.logs import setup_logging
+
+    setup_logging("submit")  # warnings on stderr: stdout is the sbatch command (FLEETRL_DRY_RUN) or sbatch's own
     try:
         cmd, env = sbatch_argv(argv)
     except (SubmitError, ConfigError) as e:

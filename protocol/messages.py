@@ -25,8 +25,8 @@ from protocol.ops_messages import StatusRequest as StatusRequest
 
 # 2: positional header (protocol/codec.py); 3: WorkRequest.max_prompts is a capacity; 4: Register.devices,
 # WeightSync.ranks and WeightSync.backend (weight groups on GPUs); 6: a map header again, naming every field and array;
-# 7: RolloutGroup.loss_mask (multi-turn episodes: observation tokens are context, not trained)
-PROTOCOL_VERSION = 7
+# 7: RolloutGroup.loss_mask (multi-turn episodes: observation tokens are context, not trained); 8: WeightSync.lazy
+PROTOCOL_VERSION = 8
 WEIGHT_BACKENDS = ("nccl", "gloo")  # a weight group's torch.distributed backend; protocol/weights.py picks one per epoch
 MAX_RANKS_PER_ACTOR = 64  # weight-group ranks one registration may claim: a peer cannot grow the group without bound
 FINISH_REASONS = ("stop", "length")  # a trained completion's: it ended (EOS, stop token or string) or ran out of room

@@ -98,6 +98,8 @@ class HubThread:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._pipe_lock = threading.Lock()  # the pipe is closed once (stop), never under a writer
+        self._pipe_open = True
         self._running = False
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fleetrl-hub", daemon=True)
@@ -119,10 +121,18 @@ class HubThread:
         self.stopping = True
         self._wake()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            with self._pipe_lock:
+                if self._pipe_open:
+                    self._pipe_open = False
+                    os.close(self._wake_r)
+                    os.close(self._wake_w)
 
     def send(self, outs: list[Out], timeout_s: float) -> None:
-        """Deliver `outs` from the hub thread and wait until each has left (or failed); raises TimeoutError after `timeout_s`."""
-        assert self._running, "hub thread not started"
+        """Deliver `outs` from the hub thread and wait until each has left (or failed); raises TimeoutError after `timeout_s`,
+        or at once when the hub thread is not running."""
+        if not self.alive:
+            raise TimeoutError("the hub thread is not running")
         if not outs:
             return
         request = Request(left=len(outs))
@@ -141,21 +151,33 @@ class HubThread:
         return dict(self._gate.counts) if self._gate is not None else {}
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full: the loop has wake-ups enough to read
-            pass
+        with self._pipe_lock:
+            if not self._pipe_open:
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # the pipe is full: the loop has wake-ups enough to read
+                pass
 
     # ---- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         ctx = zmq.Context()
         try:
             self._serve(ctx)
+        except BaseException as e:  # the thread ends here: say why (the training thread sees `alive` go false)
+            self.log.error("hub.thread_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
         finally:
             self._running = False
+            self._end_requests()
             ctx.term()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+
+    def _end_requests(self) -> None:
+        """The loop is over: requests still queued will not be sent; their senders stop waiting now."""
+        while not self._requests.empty():
+            outs, request = self._requests.get_nowait()
+            for out in outs:
+                self._send_failed(type(out.msg).__name__, "the hub stopped")
+                request.one_done()
 
     def _serve(self, ctx: zmq.Context) -> None:
         if self._keys is not None:
@@ -209,8 +231,9 @@ class HubThread:
         finally:
             for peer in list(self._waiting):  # the loop ends: what still waits for room will not leave
                 self._fail_waiting(peer, "the hub stopped")
-            self._monitor = None
+            monitor, self._monitor = self._monitor, None
             sock.disable_monitor()
+            monitor.close(linger=0)  # left to the garbage collector, a socket still open holds ctx.term() forever
             sock.close(linger=0)
             if self._gate is not None:
                 self._gate.stop()

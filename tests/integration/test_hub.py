@@ -141,3 +141,45 @@ def test_a_peer_that_stops_reading_holds_up_only_its_own_messages(monkeypatch):
             s.close(linger=0)
         hub.stop(tell_actors=False)
         ctx.term()
+
+
+def test_a_hub_thread_that_fails_ends_says_why_and_lets_go(monkeypatch):
+    """An exception in the hub thread's loop ends the thread with its reason logged (hub.thread_failed), closes its
+    sockets (a monitor left open held ctx.term() forever), and the training thread's calls neither hang nor crash:
+    send raises TimeoutError at once, kick and stop return."""
+    from structlog.testing import capture_logs
+
+    from learner.hub.core.records import Out
+
+    port = free_port()
+    hub = Hub(load_config(None, [f"hub.bind=tcp://127.0.0.1:{port}"]), PromptSet(addition_items(), build_tokenizer()))
+
+    def broken(*args, **kw):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(hub.state, "handle", broken)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        with capture_logs() as logs:
+            hub.start()
+            sock.send_multipart(encode(m.Register(actor_id="a0", host="h", pid=1, served_version=0)))
+            deadline = time.monotonic() + 10
+            while hub._thread.alive and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not hub._thread.alive
+        assert [e["error"] for e in logs if e["event"] == "hub.thread_failed"] == ["RuntimeError: boom"]
+        t0 = time.monotonic()
+        try:
+            hub._thread.send([Out(b"x", m.Shutdown(reason="r"), reply=False)], timeout_s=30)
+            raise AssertionError("send to a dead hub thread returned")
+        except TimeoutError:
+            pass
+        hub._thread.kick()
+        hub._thread.stop()
+        assert time.monotonic() - t0 < 2.0
+        assert not hub._thread._thread.is_alive()
+    finally:
+        sock.close(linger=0)
+        ctx.term()

@@ -168,6 +168,7 @@ def test_an_epoch_trained_whole_is_closed_and_its_prompts_stay_trained():
     assert ledger.state_of(late) is State.TRAINED and ledger.may_deliver(late, "someone")
     assert not ledger.receive(late) and ledger.counts["duplicates"] == 1
     assert ledger.state_of((31, 0)) is None and not ledger.may_deliver((31, 0), "a")  # no such epoch yet
+    assert ledger.holder(late) is None  # an actor may still list it as held (another delivered it late): no holder
     key = ledger.next_pending()  # epoch 30 opens: its entries are the only ones
     assert key is not None and key[0] == 30 and len(ledger.entries) == 5
     ledger.grant(key, "a", deadline=1e9)

@@ -121,7 +121,7 @@ class Groups:
         # A rejected group's prompt goes back to the queue now, not at its lease's end, and frees the actor's slot
         # (its requests are capacities). A reward out of bounds may be this prompt's every time: behind the queue,
         # it cannot take every next grant.
-        if key in state.held and ledger.entries[key].actor == actor_id:
+        if key in state.held and ledger.holder(key) == actor_id:
             state.held.discard(key)
             ledger.requeue(key, "rejected", refusal.reason != "reward")
         out = [error_reply(identity, "rejected", f"group for prompt {key[1]} (epoch {key[0]}) refused, {refusal.reason}: {refusal.detail}")]

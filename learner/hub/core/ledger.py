@@ -114,6 +114,11 @@ class Ledger:
             return entry.state
         return State.TRAINED if key[0] in self.closed else None
 
+    def holder(self, key: Key) -> str | None:
+        """Who holds `key`'s grant now (None: nobody, or its epoch is closed)."""
+        entry = self.entries.get(key)
+        return entry.actor if entry is not None else None
+
     def states(self) -> dict[Key, State]:
         """Every prompt of the opened epochs and its state (closed epochs' included): for checks, not hot paths."""
         out = {(e, p): State.TRAINED for e in sorted(self.closed) for p in range(self.num_prompts)}

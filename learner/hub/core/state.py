@@ -194,7 +194,8 @@ class HubState:
         """A removed actor's eval prompts and grants go back (`requeue`: the ledger's reason); the keys requeued."""
         if self.eval_round is not None:
             self.eval_round.release_actor(actor_id)
-        requeued = [key for key in state.held if self.ledger.entries[key].actor == actor_id]
+        # held may still name a prompt another actor delivered late since: trained by now, its epoch maybe closed
+        requeued = [key for key in state.held if self.ledger.holder(key) == actor_id]
         for key in requeued:
             self.ledger.requeue(key, requeue)
         return requeued

@@ -315,3 +315,23 @@ def test_an_update_with_a_skipped_step_requeues_its_prompts_and_counts_only_appl
     batch = _taken_batch(state)
     settle(_Facade(state), batch, 0, applied=4, failed=[], log=structlog.get_logger())
     assert state.version == 4 and state.ledger.state_counts()["trained"] == 4
+
+
+def test_an_actor_still_holding_a_prompt_another_delivered_late_is_removed_cleanly():
+    """b0 holds a prompt whose lapsed grant a0 then delivered late; it is trained and its epoch closes (the ledger
+    drops a closed epoch's entries). Removing b0 must not look the prompt up in the ledger's entries: it did, and
+    the KeyError ended the hub thread."""
+    state = hub(PromptSet(addition_items()[:1], build_tokenizer()))  # one prompt per epoch: trained, its epoch closes
+    (g,) = grant(state, A, "a0")
+    state.tick(10.5)  # a0's lease lapsed: pending again, a0 may still deliver it late
+    (g2,) = grant(state, B, "b0", now=10.6)
+    key = (g.epoch, g.prompt_id)
+    assert (g2.epoch, g2.prompt_id) == key
+    assert not errors(state.handle(A, group_for(g), 11.0)) and len(state.buffer) == 1  # a0's late result is taken
+    state.buffer.clear()
+    state.ledger.trained(key)  # what the update's settle does
+    assert key[0] in state.ledger.closed and state.ledger.holder(key) is None
+    state.registry.connection_closed(B)  # b0 goes, still listing the prompt as held
+    state.tick(12.0)
+    assert "b0" not in state.actors
+    state.ledger.check()

@@ -315,10 +315,10 @@ class HubThread:
             try:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:  # its queue is full: wait for room, a while, without holding up anyone else
-                self._waiting[identity] = deque([Waiting(frames, type(msg).__name__, time.monotonic() + SEND_TIMEOUT_S, request)])
-                return
+                line = self._waiting[identity] = deque()
             except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone
                 self._send_failed(type(msg).__name__, str(e))
+        if line is None:  # it left, or failed
             if request is not None:
                 request.one_done()
             return

@@ -128,10 +128,8 @@ class WeightReceiver:
 
         def build(made: Callable[[dist.ProcessGroup], None]) -> dist.ProcessGroup:
             # A store client of its own (not `control`): gloo's rendezvous blocks in it while a member is missing.
-            store = self.build_store.take(host, port, sync.timeout_s)
-            group = wg.open_group(store, bind, epoch, rank, sync.world_size, sync.timeout_s, backend, device, made, sync.lazy)
-            self.build_store.give_back(host, port, store)
-            return group
+            with self.build_store.client(host, port, sync.timeout_s) as store:
+                return wg.open_group(store, bind, epoch, rank, sync.world_size, sync.timeout_s, backend, device, made, sync.lazy)
 
         self.group = waits.build(build, lambda group: wg.close_group(group, backend))
         self.joined, self.backend = (host, port, epoch), backend

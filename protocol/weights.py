@@ -33,6 +33,7 @@ import socket
 import threading
 import typing
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -179,19 +180,17 @@ class BuildStore:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # an abandoned build may return on its own thread while the next one takes
         self._free: tuple[str, int, dist.TCPStore] | None = None
 
-    def take(self, host: str, port: int, timeout_s: float) -> dist.TCPStore:
-        """The free client for host:port, or a new one (a build still holding the free one keeps it)."""
+    @contextmanager
+    def client(self, host: str, port: int, timeout_s: float) -> Iterator[dist.TCPStore]:
+        """The free client for host:port, or a new one (a build still holding the free one keeps it). Free again
+        once the block returns; a block that raises keeps it (its build may still be blocked in it)."""
         with self._lock:
             free, self._free = self._free, None
-        if free is not None and free[:2] == (host, port):
-            return free[2]
-        return open_store(host, port, is_master=False, timeout_s=timeout_s)
-
-    def give_back(self, host: str, port: int, store: dist.TCPStore) -> None:
-        """After a build on `store` returned: the next build may use it."""
+        store = free[2] if free is not None and free[:2] == (host, port) else open_store(host, port, False, timeout_s)
+        yield store
         with self._lock:
             self._free = (host, port, store)
 

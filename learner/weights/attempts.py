@@ -246,22 +246,20 @@ class Attempts:
 
     def _build(self, att: Attempt, made: Callable[[dist.ProcessGroup], None]) -> dist.ProcessGroup:
         # A store client of its own, not `control`: an abandoned rendezvous keeps blocking in it until its timeout.
-        store = self.build_store.take(self.cfg.host, self.port, self.cfg.timeout_s)
         backend = att.plan.backend
-        group = wg.open_group(
-            store,
-            self.cfg.host,
-            att.epoch,
-            0,
-            att.plan.world_size,
-            self.cfg.timeout_s,
-            backend,
-            wg.group_device(backend, self.device),
-            made,
-            att.plan.lazy,
-        )
-        self.build_store.give_back(self.cfg.host, self.port, store)
-        return group
+        with self.build_store.client(self.cfg.host, self.port, self.cfg.timeout_s) as store:
+            return wg.open_group(
+                store,
+                self.cfg.host,
+                att.epoch,
+                0,
+                att.plan.world_size,
+                self.cfg.timeout_s,
+                backend,
+                wg.group_device(backend, self.device),
+                made,
+                att.plan.lazy,
+            )
 
     def _give_up(self, att: Attempt, side: dist.ProcessGroup | None, error: RuntimeError, elapsed: float) -> None:
         """Tell the members the epoch is over (before returning: the optimizer may write the parameters next)."""

@@ -304,13 +304,19 @@ def test_a_tensor_parallel_member_receives_on_every_worker_rank():
 def test_a_build_store_client_is_reused_only_once_its_build_returned():
     master = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=10)
     stores = wg.BuildStore()
-    first = stores.take("127.0.0.1", master.port, 10)
-    second = stores.take("127.0.0.1", master.port, 10)  # the first is still in a build: a client of its own
-    assert second is not first
-    stores.give_back("127.0.0.1", master.port, first)
-    assert stores.take("127.0.0.1", master.port, 10) is first  # its build returned: reused
-    stores.give_back("127.0.0.1", master.port, first)
+    at = ("127.0.0.1", master.port, 10)
+    with stores.client(*at) as first:
+        with stores.client(*at) as second:  # the first is still in a build: a client of its own
+            assert second is not first
+    with stores.client(*at) as again:
+        assert again is first  # its build returned (the last to): its client is reused
+    with pytest.raises(RuntimeError), stores.client(*at) as failed:  # a build that fails keeps its client
+        assert failed is first
+        raise RuntimeError("the build failed")
+    with stores.client(*at) as after:
+        assert after is not first
     other = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=10)  # a restarted learner's store
-    assert stores.take("127.0.0.1", other.port, 10) is not first
-    first.set("k", "v")  # the reused client works
+    with stores.client("127.0.0.1", other.port, 10) as elsewhere:
+        assert elsewhere is not after
+    after.set("k", "v")  # the reused client works
     assert master.get("k") == b"v"

@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 
 from protocol.abortable import IN_FLIGHT, Abortable, Graveyard
+from protocol.config.fleet import GLOO_MESH_RANKS
 from protocol.messages import WEIGHT_BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU = ""  # the device identity of a rank without a GPU
-GLOO_MESH_RANKS = 32  # the default weights.gloo_mesh_ranks: larger gloo groups connect lazily (plan_group)
 
 
 def device_identity(device: torch.device) -> str:

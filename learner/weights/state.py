@@ -25,10 +25,11 @@ from typing import Generic
 from learner.weights.membership import Membership
 from learner.weights.records import Attempt, Begin, G, Joining, Late
 from protocol import weights as wg
+from protocol.config.fleet import GLOO_MESH_RANKS
 
 
 class SenderState(Generic[G]):
-    def __init__(self, identity: str, join_timeout_s: float, mesh_ranks: int = wg.GLOO_MESH_RANKS):
+    def __init__(self, identity: str, join_timeout_s: float, mesh_ranks: int = GLOO_MESH_RANKS):
         """`identity`: the learner's device identity, what plan_group compares with the members' devices;
         `mesh_ranks`: weights.gloo_mesh_ranks, past which a gloo epoch connects lazily."""
         self.identity = identity

@@ -8,6 +8,8 @@ from typing import Literal
 
 from protocol.config.errors import check_choices, need
 
+GLOO_MESH_RANKS = 32  # weights.gloo_mesh_ranks' default (protocol.weights.plan_group's too)
+
 Snapshot = Literal["device", "host"]
 Curve = Literal["auto", "on", "off"]
 
@@ -105,7 +107,7 @@ class WeightsConfig:
     # A gloo group of more ranks than this connects lazily: each rank opens only the connections of the
     # broadcast's tree (about log2 N), not one to every other rank (N - 1), so a large CPU fleet forms in
     # seconds instead of N² connects (docs/architecture.md, "How large one weight group can be").
-    gloo_mesh_ranks: int = 32
+    gloo_mesh_ranks: int = GLOO_MESH_RANKS
     # ZeRO-3: where learner rank 0 keeps the full weights it serves between syncs. "device": its GPU, sent from
     # there; "host": pinned host memory, copied to the GPU a bucket at a time to send (for models whose full
     # weights do not fit beside training: 32B in bf16 is 64 GB). `fleetrl plan` counts the "device" copy.

@@ -184,6 +184,12 @@ class Ledger:
         del self.trained_in[epoch]
         self.closed.add(epoch)
 
+    def _recount(self) -> Counter[State]:
+        """Prompts per state from the entries and the closed epochs (what `in_state` keeps as prompts move)."""
+        counts = Counter(e.state for e in self.entries.values())
+        counts[State.TRAINED] += len(self.closed) * self.num_prompts
+        return counts
+
     def _move(self, entry: Entry, state: State) -> None:
         self.in_state[entry.state] -= 1
         self.in_state[state] += 1
@@ -209,9 +215,7 @@ class Ledger:
     def check(self) -> None:
         """Invariants: every prompt of every opened epoch has exactly one entry; the per-state counts are exact."""
         assert len(self.entries) + len(self.closed) * self.num_prompts == self.size, "ledger lost or invented a prompt"
-        recount = Counter(e.state for e in self.entries.values())
-        recount[State.TRAINED] += len(self.closed) * self.num_prompts
-        assert +self.in_state == recount, "ledger state counts drifted"
+        assert +self.in_state == self._recount(), "ledger state counts drifted"
         trained = Counter(k[0] for k, e in self.entries.items() if e.state is State.TRAINED)
         assert +self.trained_in == trained and not self.closed & set(trained), "ledger per-epoch trained counts drifted"
 
@@ -261,8 +265,7 @@ class Ledger:
         lost = sorted(k for k, e in ledger.entries.items() if e.state in (State.GRANTED, State.RECEIVED))
         for key in lost:
             ledger.entries[key].state = State.PENDING
-        ledger.in_state = Counter(e.state for e in ledger.entries.values())
-        ledger.in_state[State.TRAINED] += len(ledger.closed) * ledger.num_prompts
+        ledger.in_state = ledger._recount()
         ledger.queue = deque([*lost, *queue])
         pending = ledger.in_state[State.PENDING]
         assert pending == len(ledger.queue), f"ledger state: {pending} pending prompts, {len(ledger.queue)} queued"

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from learner.record.metrics import read_rows
 from learner.run_layout import LEARNER_FILE, STATE_DIR, latest_checkpoint
 from learner.train.distributed import Topology
 from protocol.config import ConfigError
@@ -117,33 +118,37 @@ def check_compatible(state: LearnerState, topo: Topology, zero_stage: int, steps
         )
 
 
-def restore_metrics(run_dir: Path, state: LearnerState) -> list[dict]:
-    """Cut metrics.jsonl back to the rows of updates 1..N (later ones are retrained); returns them.
+def restore_metrics(run_dir: Path, state: LearnerState) -> int:
+    """Cut metrics.jsonl back to the rows of updates 1..N (later ones are retrained); returns the rows kept.
 
-    The file is rewritten atomically. A torn last line (SIGKILL mid-write) is dropped. Row N comes
-    from the checkpoint when the crash came between the checkpoint and that row's write.
+    The file is rewritten atomically, a line at a time (a long run's rows do not fit in memory as dicts). A torn
+    last line (SIGKILL mid-write) is dropped; of two rows of one update, the first is kept. Row N comes from the
+    checkpoint when the crash came between the checkpoint and that row's write.
     """
     path = Path(run_dir) / "metrics.jsonl"
-    rows: dict[int, dict] = {}
-    lines = path.read_text().splitlines() if path.exists() else []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        step = row.get("step") if isinstance(row, dict) else None
-        if isinstance(step, int) and 1 <= step <= state.updates and step not in rows:
-            rows[step] = row
-    if state.updates not in rows and state.row:
-        rows[state.updates] = state.row
-    missing = [s for s in range(1, state.updates + 1) if s not in rows]
+    first: dict[int, int] = {}  # update -> byte offset of its first row
+    read = 0
+    for offset, _, row in read_rows(path):
+        read += 1
+        step = row.get("step")
+        if isinstance(step, int) and 1 <= step <= state.updates and step not in first:
+            first[step] = offset
+    row_n = state.row if state.updates not in first and state.row else None
+    missing = [s for s in range(1, state.updates + 1) if s not in first and not (s == state.updates and row_n)]
     if missing:
         get_logger().warning("resume.metrics_rows_missing", steps=missing[:20], count=len(missing))
-    kept = [rows[s] for s in sorted(rows)]
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    with tmp.open("wb") as out:
+        if first:
+            with path.open("rb") as src:
+                for step in sorted(first):
+                    src.seek(first[step])
+                    out.write(src.readline().rstrip(b"\n") + b"\n")
+        if row_n:
+            out.write((json.dumps(row_n) + "\n").encode())
     os.replace(tmp, path)
-    get_logger().info("resume.metrics", lines=len(lines), kept=len(kept))
+    kept = len(first) + bool(row_n)
+    get_logger().info("resume.metrics", rows=read, kept=kept)
     return kept
 
 

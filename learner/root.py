@@ -75,19 +75,19 @@ class Root:
         # embedding's rows.
         self.hub = hub = Hub(cfg, prompts, control_file=run_dir / "control.toml", vocab_size=trainer.vocab_size)
         self.progress = Progress()
-        kept_rows = self._restore(checkpoint) if checkpoint is not None else []  # before hub.start(): see _restore
+        if checkpoint is not None:
+            self._restore(checkpoint)  # before hub.start(): see _restore
         hub.start()  # a port in use raises ConfigError naming hub.bind
         self.sender = weights.sender(cfg)  # in place (ZeRO <= 2) or gathered into a snapshot (ZeRO-3)
         self.snapshot = weights.sender_snapshot
         # Collective under ZeRO-3 (the followers join it at start). A resumed learner's actors come back serving -1
         # and get no work until they serve the hub's version: it is sent to each as it registers.
         self.sender.start(hub.version, hub, self.snapshot)
-        self.metrics = MetricsWriter(run_dir, wandb)
-        self.metrics.rows.extend(kept_rows)  # the plot covers the whole run
+        self.metrics = MetricsWriter(run_dir, wandb)  # a resumed run's rows (cut by _restore) are in its curve
         self.samples = SampleWriter(run_dir, cfg.log.samples_every_steps, cfg.log.samples_groups, tokenizer, prompts)
         self.evaluator = Evaluator(cfg, data.eval_sets(), hub)
         # The reward part names reported so far (learner/record/rollout_stats.py bounds them); a resumed run's included.
-        self.part_names = {key.removeprefix(PART_PREFIX) for row in kept_rows for key in row if key.startswith(PART_PREFIX)}
+        self.part_names = {key.removeprefix(PART_PREFIX) for key in self.metrics.keys if key.startswith(PART_PREFIX)}
         # Checkpoints: from the model on rank 0, or under ZeRO-3 from the weight snapshot rank 0 already holds.
         self.hf = hf_writer(trainer.engine.module, tokenizer, self.sender.state_dict)
         self.checkpoints = CheckpointManager(cfg.checkpoint, run_dir, self._write_checkpoint)
@@ -107,13 +107,13 @@ class Root:
             version=hub.version,
         )
 
-    def _restore(self, checkpoint: Path) -> list[dict]:
-        """--resume, before hub.start(): no actor sees the hub before it holds the restored ledger. Returns the metrics
-        rows kept (those of the updates up to the checkpoint)."""
+    def _restore(self, checkpoint: Path) -> None:
+        """--resume, before hub.start(): no actor sees the hub before it holds the restored ledger. metrics.jsonl is
+        cut back to the rows of the updates up to the checkpoint."""
         hub, state = self.hub, read_learner_state(checkpoint)
         hub.restore(state.hub, state.version)
         self.progress = Progress(updates=state.updates, totals=Totals.of(state.row), last_row=state.row)
-        kept = restore_metrics(self.run_dir, state)
+        restore_metrics(self.run_dir, state)
         discard_newer(self.run_dir, state.updates)
         set_context(policy_version=hub.version)
         self.log.info(
@@ -124,7 +124,6 @@ class Root:
             ledger=hub.ledger.state_counts(),
             max_staleness=hub.max_staleness,
         )
-        return kept
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stop.update(flag=True))

@@ -1,5 +1,5 @@
 """Metrics: one JSON object per learner step in `metrics.jsonl`, TensorBoard scalars, optionally Weights & Biases,
-and the reward-curve plot. Every row goes through MetricsWriter.write, to every sink at once.
+and the reward-curve plot (curve.py). Every row goes through MetricsWriter.write, to every sink at once.
 
 Only learner rank 0 writes. Keys are flat; namespaced ones use `group/name`.
 TensorBoard (RUN_DIR/tensorboard) and W&B (learner/record/wandb_log.py): every finite numeric value of a row becomes
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
+from learner.record.curve import Curve
 from learner.record.wandb_log import WandbLogger
 
 
@@ -21,15 +23,22 @@ class MetricsWriter:
 
         self.path = run_dir / "metrics.jsonl"
         self.plot_path = run_dir / "reward_curve.png"
+        # A resumed run's file holds its rows up to the checkpoint (learner/resume.py cut it): the curve covers them.
+        self.curve, self.keys = Curve(), set[str]()
+        for _, _, row in read_rows(self.path):
+            self.curve.add(row)
+            self.keys.update(row)
         self.file = self.path.open("a", buffering=1)
-        self.rows: list[dict] = []
+        if self.file.tell() > 0 and not _ends_with_newline(self.path):  # a torn last line: the next row starts its own
+            self.file.write("\n")
         self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), flush_secs=10)
         self.wandb = wandb  # learner/record/wandb_log.py, when log.wandb = true
 
     def write(self, row: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self.file.write(json.dumps(clean) + "\n")
-        self.rows.append(clean)
+        self.curve.add(clean)
+        self.keys.update(clean)
         step = int(row["step"])
         for key, value in clean.items():
             if key != "step" and isinstance(value, int | float):  # bool is an int: flags chart as 0/1
@@ -44,48 +53,28 @@ class MetricsWriter:
             self.wandb.close()
 
     def plot(self) -> Path | None:
-        """reward_curve.png: train reward (and its moving mean) with each eval set's reward above; completion length
-        (mean and max, tokens) below."""
-        if not self.rows:
-            return None
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        steps = [r["step"] for r in self.rows]
-        rewards = [r["reward_mean"] for r in self.rows]
-        window = max(1, len(rewards) // 10)
-        smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
-        fig, (ax, ax_len) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
-        ax.plot(steps, rewards, alpha=0.4, label="train reward_mean")
-        ax.plot(steps, smooth, label=f"train, moving mean ({window} steps)")
-        evals = sorted({k for r in self.rows for k in r if k.startswith("eval/") and k.endswith("/reward_mean")})
-        for key in evals:
-            xs, ys = _series(self.rows, key)
-            ax.plot(xs, ys, marker="o", label=key.removesuffix("/reward_mean").replace("eval/", "eval ") + " reward_mean")
-        seen = rewards + [y for key in evals for y in _series(self.rows, key)[1]]
-        if all(0 <= y <= 1 for y in seen):
-            ax.set_ylim(-0.02, 1.02)
-        ax.set_ylabel("mean reward")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-        for key, style in (("response/length_mean", "-"), ("response/length_max", "--")):
-            xs, ys = _series(self.rows, key)
-            if xs:
-                ax_len.plot(xs, ys, style, label=key.removeprefix("response/"))
-        ax_len.set_xlabel("learner step")
-        ax_len.set_ylabel("completion tokens")
-        ax_len.grid(alpha=0.3)
-        if ax_len.lines:
-            ax_len.legend(fontsize="small")
-        fig.tight_layout()
-        fig.savefig(self.plot_path, dpi=100)
-        plt.close(fig)
-        return self.plot_path
+        """RUN_DIR/reward_curve.png from the whole run's rows (learner/record/curve.py)."""
+        return self.curve.plot(self.plot_path)
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    """(steps, values) of the rows where `key` holds a number (eval rows are every eval.every_steps only)."""
-    pairs = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
-    return [x for x, _ in pairs], [float(y) for _, y in pairs]
+def read_rows(path: Path) -> Iterator[tuple[int, bytes, dict]]:
+    """(byte offset, line, row) of each row of a metrics.jsonl, a line at a time: the file may hold a long run.
+    Torn lines (a SIGKILL mid-write) and lines that are not JSON objects are skipped; no file, no rows."""
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        offset = 0
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+                row = None
+            if isinstance(row, dict):
+                yield offset, line, row
+            offset += len(line)
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"

@@ -8,7 +8,7 @@ import pytest
 import structlog
 
 from deploy.tiny import build_tokenizer
-from learner.record.metrics import MetricsWriter, _series
+from learner.record.metrics import MetricsWriter
 from learner.record.rollout_stats import MAX_RUN_PART_NAMES, rollout_metrics
 from learner.record.samples import SampleWriter
 from protocol.logs import format_duration, setup_logging
@@ -146,7 +146,7 @@ def test_plot_has_eval_and_length(tmp_path):
             row["eval/val/reward_mean"] = step / 8
         writer.write(row)
     writer.close()
-    assert _series(writer.rows, "eval/val/reward_mean") == ([3, 6], [3 / 8, 6 / 8])
+    assert writer.curve.series("eval/val/reward_mean") == ([3, 6], [3 / 8, 6 / 8])
     import matplotlib
 
     matplotlib.use("Agg")

@@ -20,6 +20,16 @@ def local_addr_towards(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
+def interface_with(addr: str) -> str | None:
+    """The name of the network interface that holds the address `addr` (as local_addr_towards gives it), or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == addr for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)):
+            return name
+    return None
+
+
 def pin_cpus(cpus: set[int]) -> None:
     """Restrict this process (and the processes it starts later) to `cpus`; empty = leave as is."""
     if cpus:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from learner.build_locks import clear_stale_build_locks
+from protocol.net import interface_with, local_addr_towards
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +58,31 @@ def init_distributed() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     clear_stale_build_locks(structlog.get_logger())  # else a build killed earlier hangs DeepSpeed's op loading
+    if not torch.cuda.is_available():
+        bind_gloo_towards_master()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     atexit.register(_destroy_groups)
+
+
+def bind_gloo_towards_master() -> None:
+    """GLOO_SOCKET_IFNAME = the interface on this node's route to MASTER_ADDR, unless set.
+
+    Left unset, gloo binds to the address this node's hostname resolves to, and where the hostname does not
+    resolve (no DNS entry for a compute node's name) it falls back to loopback: every rank then advertises
+    127.0.0.1, and a group across nodes fails with "connection refused" (seen under Slurm, learner on two nodes).
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    master, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))
+    log = structlog.get_logger()
+    try:
+        local = local_addr_towards(master, port)
+    except OSError as e:  # a name that does not resolve, no route: gloo's own choice, and its error if that fails
+        log.warning("learner.gloo_interface_unknown", master_addr=master, error=str(e))
+        return
+    if (name := interface_with(local)) is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        log.info("learner.gloo_interface", interface=name, address=local, master_addr=master)
 
 
 def _destroy_groups() -> None:

@@ -5,6 +5,9 @@
         |-- netns n2 10.A.B.2, hostname n2: slurmd      (actor component)
         |-- netns n3 10.A.B.3, hostname n3: slurmd      (add_actors.sbatch)
 
+    partitions: main (the default; PriorityTier 1, preemption GraceTime GRACE_S) and urgent (PriorityTier 2):
+    a job in urgent preempts main's jobs on its nodes (PreemptMode=REQUEUE), as on a site with preemption.
+
 Each slurmd has a UTS namespace of its own, so `hostname` and `hostname -I` in a job answer as they would on a
 separate machine; every job runs as root on the shared filesystem (the run directory every node reads). The
 scheduler is backfill with a 1 s cycle: heterogeneous jobs start only on the backfill cycle (30 s by default).
@@ -34,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 NODES = ("n1", "n2", "n3")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scancel")
 START_S = 60.0  # daemons up and every node idle
+GRACE_S = 60  # main's preemption GraceTime: a preempted job's time to checkpoint
 
 
 class SlurmUnavailable(RuntimeError):
@@ -125,11 +129,17 @@ class Cluster:
             "SlurmdTimeout=60",
             "InactiveLimit=0",
             "MinJobAge=600",  # finished jobs stay visible to squeue/scontrol for the tests' checks
+            "PreemptType=preempt/partition_prio",  # a job in a partition of a higher PriorityTier preempts
+            "PreemptMode=REQUEUE",
         ]
         cpus = os.cpu_count() or 1
         for name, host in self.hosts.items():
             lines.append(f"NodeName={name} NodeAddr={host.addr} NodeHostname={name} CPUs={cpus} State=UNKNOWN")
-        lines.append("PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO")
+        # Preemption as a site sets it up: a job in `urgent` takes the nodes of `main`'s jobs, which Slurm requeues
+        # after GRACE_S (SIGTERM at once, as a notice; then the job is ended and started again).
+        part = "Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=NO"
+        lines.append(f"PartitionName=main {part} Default=YES PriorityTier=1 GraceTime={GRACE_S}")
+        lines.append(f"PartitionName=urgent {part} Default=NO PriorityTier=2 PreemptMode=OFF")
         (d / "ctld").mkdir(exist_ok=True)
         (d / "slurm.conf").write_text("\n".join(lines) + "\n")
 
@@ -161,8 +171,8 @@ class Cluster:
         return proc
 
     def idle_nodes(self) -> int:
-        out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout
-        return sum(1 for line in out.splitlines() if line.split()[-1:] == ["idle"])
+        out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout  # a node once per partition
+        return len({line.split()[0] for line in out.splitlines() if line.split()[-1:] == ["idle"]})
 
     def job_state(self, job: str) -> str:
         """The job's state as squeue/scontrol give it (a het job: its leader's), or "" if Slurm forgot it."""

@@ -3,8 +3,10 @@ submitted as a user would, with deploy/slurm/submit.sh on CPU nodes (actor.devic
 
     n1: learner (het component 0, the batch host)   n2: actors (component 1)   n3: add_actors.sbatch
 
-One long run goes through its life in order: actors added mid-run and detached by scancel, the main job scancelled
-(it checkpoints), then resumed through fleet.sbatch to the end. A second run's learner is SIGKILLed. Each checks
+One long run goes through its life in order: actors added mid-run and detached by scancel, the job requeued three
+ways (time limit, scontrol requeue, preemption), the main job scancelled (it checkpoints), then resumed through
+fleet.sbatch to the end. A second run has a learner group of two nodes (n1, n2; its actor on n3), and one of its
+ranks is SIGKILLed. Each checks
 exit codes, the ledger (every prompt of every epoch in exactly one state, trained = steps x prompts per step:
 none lost, none trained twice, which the learner also asserts), that no process of the job is left, that
 RUN_DIR/hub_address is gone, and that every actor stopped cleanly (no actor.stop_overdue).
@@ -218,14 +220,19 @@ def test_actors_added_mid_run_and_detached_by_scancel(slurm, config, long_run):
 
 
 def test_a_requeued_job_resumes_by_itself(slurm, long_run):
-    """Requeue and preemption: the job requeues itself before its time limit (the USR1 that submit.sh's
-    --signal=B:USR1@cluster.time_limit_grace_s sends the batch script), then Slurm requeues it (`scontrol requeue`,
-    what PreemptMode=REQUEUE does: SIGTERM, then a start again). Each time the learner checkpoints, the actors stop
-    cleanly, and the job starts again with the same arguments and resumes from that checkpoint by itself: no
-    previous-* run set aside, every update's metrics row once."""
+    """Requeue and preemption, three times on one job: it requeues itself before its time limit (the USR1 that
+    submit.sh's --signal=B:USR1@cluster.time_limit_grace_s sends the batch script); Slurm requeues it
+    (`scontrol requeue`: SIGTERM, then a start again); a job in the `urgent` partition preempts it (PreemptMode=REQUEUE,
+    GraceTime 60 s: SIGTERM to the steps only, and a job whose script ended within its grace time was COMPLETED,
+    never started again). Each time the learner checkpoints, the actors stop cleanly, and the job starts again with
+    the same arguments and resumes from that checkpoint by itself: no previous-* run set aside, every update's
+    metrics row once."""
     job: Job = long_run.get("job") or pytest.skip("needs the long run of test_actors_added_mid_run_and_detached_by_scancel")
     assert slurm.restarts(job.id) == 0
-    for restart, how in ((1, ["scancel", "--batch", "--signal=USR1", job.id]), (2, ["scontrol", "requeue", job.id])):
+    work = job.run_dir.parent
+    preempt = ["sbatch", "--partition=urgent", "--nodelist=n1", "--exclusive", f"--output={work}/urgent-%j.out", "--wrap", "true"]
+    hows = (["scancel", "--batch", "--signal=USR1", job.id], ["scontrol", "requeue", job.id], preempt)
+    for restart, how in enumerate(hows, start=1):
         trained = len(job.rows())
         wait_for("a checkpoint of this start", lambda n=trained: len(job.rows()) >= n + 2, 120, job)
         slurm.run(how)
@@ -236,6 +243,10 @@ def test_a_requeued_job_resumes_by_itself(slurm, long_run):
         resumed = wait_for("the resume", lambda n=restart: job.learner("learner.resumed_engines")[n - 1 :], 180)
         assert resumed[0]["checkpoint"].endswith(f"step-{stop['updates']}")
         wait_for("training after the resume", lambda n=stop["updates"]: len(job.rows()) >= n + 2, 180, job)
+    (urgent,) = work.glob("urgent-*.out")
+    assert slurm.job_state(urgent.stem.removeprefix("urgent-")) == "COMPLETED"  # the preemptor ran in between
+    out = (work / f"fleetrl-{job.id}.out").read_text()
+    assert f"job {job.id} is being preempted" in out, out[-2000:]
     assert not list(job.run_dir.glob("previous-*"))
     rows = job.rows()
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
@@ -274,21 +285,36 @@ def test_resume_through_fleet_sbatch_to_the_end(slurm, long_run):
     assert not list(first.run_dir.glob("previous-*"))
 
 
+def rank_processes(job_id: str, rank: int) -> list[int]:
+    """Pids of the job's learner worker of global rank `rank` (torchrun sets RANK in each worker's environment)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ and f"RANK={rank}".encode() in environ:
+            found.append(int(pid))
+    return found
+
+
 def test_a_learner_crash_ends_the_job_promptly(slurm, config, tmp_path):
-    """Problem 7: the learner SIGKILLed mid-run. The job fails and stops its actors at once; before, it waited 60 s
-    for actors that wait for a learner that cannot come back."""
+    """A learner group of two nodes (n1, n2; the actor on n3): it forms across the nodes through torchrun and
+    trains. Then problem 7: learner rank 1 (on n2, not the batch host) is SIGKILLed. The job fails and stops its
+    actors at once; before, it waited 60 s for actors that wait for a learner that cannot come back."""
     run_dir = tmp_path / "run"
-    job = submitted(slurm, tmp_path, run_dir, *config, f"run.dir={run_dir}")
-    wait_for("a trained step", lambda: job.rows(), 240, job)
-    learner = [int(p.split()[0]) for p in job_processes({job.id}) if "deploy.cli learner" in p]
-    assert learner
+    job = submitted(slurm, tmp_path, run_dir, *config, f"run.dir={run_dir}", "cluster.learner_nodes=2")
+    wait_for("a trained step", lambda: job.rows(), 300, job)
+    ready = job.learner("learner.ready")[-1]
+    assert (ready["ranks"], ready["dp"]) == (2, 2)
+    (pid,) = rank_processes(job.id, 1)
     t0 = time.monotonic()
-    for pid in learner:
-        os.kill(pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     assert slurm.wait_done(job.id, 60) == "FAILED"
     took = time.monotonic() - t0
     assert took < 20, took
-    assert_ended_clean(job, "FAILED", None, job.actors("n2"))
+    assert_ended_clean(job, "FAILED", None, job.actors("n3"))
+    assert len(job.actors("n3")) == 1
     assert slurm.exit_codes(job.id)[0] != "0:0"
 
 

@@ -285,6 +285,23 @@ def test_resume_through_fleet_sbatch_to_the_end(slurm, long_run):
     assert not list(first.run_dir.glob("previous-*"))
 
 
+def test_a_time_limit_signal_before_any_checkpoint_fails_instead_of_looping(slurm, config, tmp_path):
+    """The time-limit USR1 at a start that has written no checkpoint yet (a time limit shorter than
+    cluster.time_limit_grace_s): requeued, the job would start again from the same point and be signalled again,
+    forever. It fails instead, with one line that says why and what to do, and is not requeued."""
+    run_dir = tmp_path / "run"
+    job = submitted(slurm, tmp_path, run_dir, *config, f"run.dir={run_dir}")
+    # hub_address is written once the batch script listens for USR1, while the learner is still starting: no
+    # update can be trained, so no checkpoint written, before the signal.
+    wait_for("the job's hub_address", lambda: (run_dir / "hub_address").exists(), 180, job)
+    slurm.run(["scancel", "--batch", "--signal=USR1", job.id])
+    assert_ended_clean(job, "FAILED", None, job.actors("n2"))
+    assert slurm.restarts(job.id) == 0 and not job.rows()
+    out = (tmp_path / f"fleetrl-{job.id}.out").read_text()
+    why = "no new checkpoint since this start (is the time limit longer than cluster.time_limit_grace_s?)"
+    assert f"{why}: not requeueing; resubmit with --resume {run_dir}" in out, out[-2000:]
+
+
 def rank_processes(job_id: str, rank: int) -> list[int]:
     """Pids of the job's learner worker of global rank `rank` (torchrun sets RANK in each worker's environment)."""
     found = []

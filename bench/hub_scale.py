@@ -28,7 +28,10 @@ client connected, and to every rank's group built. Each size is formed twice. Co
 default, FleetRL's up to weights.gloo_mesh_ranks): each rank holds size - 1 connections, so a process holding
 m ranks needs about m x (size - 1) file descriptors; a size that cannot fit is reported, not tried. Lazily
 (larger groups): each rank connects only the pairs of the broadcast's binomial tree, and the build ends with
-the one-element probe broadcast that FleetRL's open_group makes, so "built" means connected.
+the one-element probe broadcast that FleetRL's open_group makes, so "built" means connected. Then rank 0 sends
+WEIGHT_TENSORS seeded tensors as the learner does (Buckets.send) and every other rank receives them as an actor
+does (receive_buckets) and compares each with its own copy bit for bit: seconds from rank 0's first bucket to the
+last rank holding all of them.
 """
 
 from __future__ import annotations
@@ -336,14 +339,34 @@ MESH_PROCS = 4  # processes the ranks are spread over (the learner's rank 0 is i
 MESH_TIMEOUT_S = 120.0
 
 
+WEIGHT_SHAPE = [128, 512]  # float32: 256 KiB per tensor
+WEIGHT_TENSORS = 16  # 4 MiB of weights
+WEIGHT_BUCKET_BYTES = 1 << 20  # 4 buckets
+
+
+def mesh_weights() -> list:
+    """The weights the mesh's rank 0 broadcasts, the same in every process (seeded)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(WEIGHT_SHAPE, generator=gen) for _ in range(WEIGHT_TENSORS)]
+
+
 def _mesh_ranks(port: int, ranks: list[int], size: int, lazy: bool, go: Any, out: mp.Queue) -> None:
+    import torch
     import torch.distributed as dist
 
+    from learner.weights.buckets import Buckets
     from protocol import weights as wg
 
     stored: list[float] = []  # when each rank's store client had connected
     done: list[float] = []  # when each rank's group was built (lazy: its probe broadcast done)
+    received: list[float] = []  # when each rank other than 0 held every bucket, each tensor checked bit for bit
+    sent: list[float] = []  # when rank 0 began sending
     errors: list[str] = []
+    weights = mesh_weights()
+    names = [f"w{i}" for i in range(len(weights))]
+    shapes = [list(w.shape) for w in weights]
 
     def join(rank: int) -> None:
         try:
@@ -352,6 +375,21 @@ def _mesh_ranks(port: int, ranks: list[int], size: int, lazy: bool, go: Any, out
             group = wg.open_group(store, "127.0.0.1", 1, rank, size, MESH_TIMEOUT_S, lazy=lazy)
             done.append(time.monotonic())
             keep.append(group)
+            # The weights, as the learner sends them (Buckets.send) and an actor receives them (receive_buckets).
+            if rank == 0:
+                sent.append(time.monotonic())
+                Buckets(weights, torch.float32, WEIGHT_BUCKET_BYTES).send(group, None)
+                return
+            expect = dict(zip(names, weights, strict=True))
+            got = 0
+            for bucket in wg.receive_buckets(group, names, shapes, torch.float32, WEIGHT_BUCKET_BYTES):
+                for name, tensor in bucket:
+                    if not torch.equal(tensor, expect[name]):
+                        raise RuntimeError(f"rank {rank}: {name} differs from what rank 0 sent")
+                    got += 1
+            if got != len(names):
+                raise RuntimeError(f"rank {rank}: {got} of {len(names)} tensors")
+            received.append(time.monotonic())
         except (RuntimeError, dist.DistError) as e:
             errors.append(str(e).splitlines()[0][:200])
 
@@ -364,7 +402,7 @@ def _mesh_ranks(port: int, ranks: list[int], size: int, lazy: bool, go: Any, out
     for t in threads:
         t.join()
     last = (max(stored) if stored else math.nan, max(done) if done else math.nan)
-    out.put((last, errors, len(os.listdir("/proc/self/fd"))))
+    out.put((last, errors, len(os.listdir("/proc/self/fd")), sent, received))
     time.sleep(2.0)  # keep the groups open until every process has reported
 
 
@@ -398,6 +436,10 @@ def mesh(size: int, lazy: bool) -> dict[str, Any]:
     if not errors:
         row["stores_s"] = max(r[0][0] for r in results) - t0
         row["seconds"] = max(r[0][1] for r in results) - t0
+        sent = [t for r in results for t in r[3]]
+        received = [t for r in results for t in r[4]]
+        row["weights_s"] = max(received) - sent[0]
+        row["exact"] = len(received)
     row["fds_seen"] = max(r[2] for r in results)
     row["result"] = f"failed: {len(errors)} ranks, {errors[0]}" if errors else "formed"
     return row
@@ -446,13 +488,22 @@ def main() -> None:
         )
     if meshes:
         print(f"\nWeight-group formation, gloo (ranks in {MESH_PROCS} processes, threads in each):\n")
-        print("| ranks | connects | connections | fds per process (seen) | store clients in | formed in | result |")
-        print("|--:|---|--:|--:|--:|--:|---|")
+        mib = WEIGHT_TENSORS * math.prod(WEIGHT_SHAPE) * 4 / 2**20
+        print(
+            "| ranks | connects | connections | fds per process (seen) | store clients in | formed in "
+            f"| {mib:g} MiB of weights to every rank ({WEIGHT_BUCKET_BYTES >> 20} MiB buckets) | ranks holding them exactly | result |"
+        )
+        print("|--:|---|--:|--:|--:|--:|--:|--:|---|")
         for r in meshes:
             secs = f"{r['seconds']:.1f} s" if "seconds" in r else "-"
             stores = f"{r['stores_s']:.1f} s" if "stores_s" in r else "-"
+            weights = f"{r['weights_s']:.1f} s" if "weights_s" in r else "-"
+            exact = f"{r['exact']:,} of {r['size'] - 1:,}" if "exact" in r else "-"
             seen = f" ({r['fds_seen']:,})" if "fds_seen" in r else ""
-            print(f"| {r['size']:,} | {r['how']} | {r['connections']:,} | {r['fds']:,}{seen} | {stores} | {secs} | {r['result']} |")
+            print(
+                f"| {r['size']:,} | {r['how']} | {r['connections']:,} | {r['fds']:,}{seen} | {stores} | {secs} | {weights} | {exact} "
+                f"| {r['result']} |"
+            )
 
 
 if __name__ == "__main__":

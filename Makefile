@@ -52,6 +52,8 @@ bench: $(STAMP)
 	$(PY) -m bench.sync_stall
 	$(PY) -m bench.actor_scaling
 	$(PY) -m bench.chaos
+	$(PY) -m bench.tool_demo
+	$(PY) -m bench.hub_scale
 
 clean:
 	rm -rf $(VENV) .cache runs build

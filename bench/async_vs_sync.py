@@ -66,7 +66,7 @@ def summarize(rows: list[dict], skip: int, total_s: float) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--skip", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3, help="k = 0 / k = 1 pairs, run alternately; the ratio reported is their median")

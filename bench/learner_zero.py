@@ -115,7 +115,7 @@ def main() -> None:
         model_dir, out, warmup, updates, *overrides = sys.argv[2:]
         rank_main(model_dir, out, int(warmup), int(updates), overrides)
         return
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--updates", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)

@@ -12,6 +12,7 @@ completion tokens + backward: padded rows with sdpa vs one packed row with
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -106,6 +107,7 @@ def model_table(rng: np.random.Generator) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     attention_table(rng)

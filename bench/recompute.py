@@ -90,7 +90,7 @@ def time_pair(model_dir: Path, steps: int, warmup: int, updates: int) -> dict[st
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--updates", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=256)

@@ -45,8 +45,10 @@ def _vllm_import_error() -> str | None:
 # torch.distributed's rendezvous variables. A test that builds a DeepSpeed engine in the pytest process
 # (learner/distributed.init_distributed, DeepSpeed itself) writes them into os.environ. Left there, every
 # learner a later test starts as a subprocess inherits RANK and that MASTER_PORT, takes itself for a
-# torchrun rank, and fails to listen on a port the pytest process holds (EADDRINUSE).
-_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# torchrun rank, and fails to listen on a port the pytest process holds (EADDRINUSE). GLOO_SOCKET_IFNAME too
+# (learner/train/distributed.bind_gloo_towards_master): a leaked "lo" made a later Slurm job's learner group, two
+# nodes, bind to loopback and fail to connect.
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ process, with a local rendezvous made here. gloo on CPU, NCCL on GPUs.
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +66,9 @@ def init_distributed() -> None:
 
 
 def bind_gloo_towards_master() -> None:
-    """GLOO_SOCKET_IFNAME = the interface on this node's route to MASTER_ADDR, unless set.
+    """GLOO_SOCKET_IFNAME = the interface on this node's route to MASTER_ADDR, unless set or the master is on
+    loopback (every rank on this machine: gloo's own choice works, and nothing is written that the processes this
+    one starts would inherit).
 
     Left unset, gloo binds to the address this node's hostname resolves to, and where the hostname does not
     resolve (no DNS entry for a compute node's name) it falls back to loopback: every rank then advertises
@@ -79,6 +82,8 @@ def bind_gloo_towards_master() -> None:
         local = local_addr_towards(master, port)
     except OSError as e:  # a name that does not resolve, no route: gloo's own choice, and its error if that fails
         log.warning("learner.gloo_interface_unknown", master_addr=master, error=str(e))
+        return
+    if ipaddress.ip_address(local).is_loopback:
         return
     if (name := interface_with(local)) is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = name

@@ -7,6 +7,8 @@
 
     partitions: main (the default; PriorityTier 1, preemption GraceTime GRACE_S) and urgent (PriorityTier 2):
     a job in urgent preempts main's jobs on its nodes (PreemptMode=REQUEUE), as on a site with preemption.
+    Each node has Gres=gpu:GPUS that Slurm counts and allocates, plain files standing in for the devices: a job
+    asking for GPUs is scheduled as on a GPU cluster, and torch on its nodes sees no CUDA.
 
 Each slurmd has a UTS namespace of its own, so `hostname` and `hostname -I` in a job answer as they would on a
 separate machine; every job runs as root on the shared filesystem (the run directory every node reads). The
@@ -38,6 +40,7 @@ NODES = ("n1", "n2", "n3")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scancel")
 START_S = 60.0  # daemons up and every node idle
 GRACE_S = 60  # main's preemption GraceTime: a preempted job's time to checkpoint
+GPUS = 2  # each node's gres: gpu:2, counted and allocated by Slurm, with no CUDA device behind it
 
 
 class SlurmUnavailable(RuntimeError):
@@ -131,10 +134,11 @@ class Cluster:
             "MinJobAge=600",  # finished jobs stay visible to squeue/scontrol for the tests' checks
             "PreemptType=preempt/partition_prio",  # a job in a partition of a higher PriorityTier preempts
             "PreemptMode=REQUEUE",
+            "GresTypes=gpu",
         ]
         cpus = os.cpu_count() or 1
         for name, host in self.hosts.items():
-            lines.append(f"NodeName={name} NodeAddr={host.addr} NodeHostname={name} CPUs={cpus} State=UNKNOWN")
+            lines.append(f"NodeName={name} NodeAddr={host.addr} NodeHostname={name} CPUs={cpus} Gres=gpu:{GPUS} State=UNKNOWN")
         # Preemption as a site sets it up: a job in `urgent` takes the nodes of `main`'s jobs, which Slurm requeues
         # after GRACE_S (SIGTERM at once, as a notice; then the job is ended and started again).
         part = "Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=NO"
@@ -142,6 +146,12 @@ class Cluster:
         lines.append(f"PartitionName=urgent {part} Default=NO PriorityTier=2 PreemptMode=OFF")
         (d / "ctld").mkdir(exist_ok=True)
         (d / "slurm.conf").write_text("\n".join(lines) + "\n")
+        # GPUs that Slurm counts and allocates (--gpus-per-node, SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVICES): gres/gpu
+        # needs a File per GPU (without one slurmd drops it and the node is INVAL), which slurmd only stats. Plain
+        # files stand in for /dev/nvidiaN: a job is scheduled as on a GPU cluster, and torch on the node sees no CUDA.
+        for i in range(GPUS):
+            (d / f"gpu{i}").touch()
+        (d / "gres.conf").write_text(f"Name=gpu File={d}/gpu[0-{GPUS - 1}]\n")
 
     def _start(self) -> None:
         ctld = procs.spawn(["slurmctld", "-D", "-i"], env={"SLURM_CONF": self.env["SLURM_CONF"]}, log=self.dir / "slurmctld.out")
@@ -181,6 +191,15 @@ class Cluster:
             if word.startswith("JobState="):
                 return word.split("=", 1)[1]
         return ""
+
+    def gpus_per_node(self, job: str) -> list[int]:
+        """GPUs per node that each component of the job asked for (TresPerNode=gres:gpu:N; 0 for none)."""
+        out = self.run(["scontrol", "show", "job", "-o", job]).stdout.splitlines()
+        counts = []
+        for line in out:
+            tres = next((f.split("=", 1)[1] for f in line.split() if f.startswith("TresPerNode=")), "")
+            counts.append(next((int(t.rsplit(":", 1)[1]) for t in tres.split(",") if t.startswith("gres:gpu:")), 0))
+        return counts
 
     def restarts(self, job: str) -> int:
         """How many times Slurm started the job again (requeued, preempted): scontrol's Restarts."""

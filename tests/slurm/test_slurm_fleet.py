@@ -1,5 +1,7 @@
-"""FleetRL under a real Slurm 22.05 (tests/slurm/cluster.py: slurmctld, slurmd nodes n1-n3 in network namespaces),
-submitted as a user would, with deploy/slurm/submit.sh on CPU nodes (actor.device=cpu) and the demo's tiny model.
+"""FleetRL under a real Slurm 22.05 (tests/slurm/cluster.py: slurmctld, slurmd nodes n1-n3 in network namespaces,
+each with two GPUs that Slurm allocates and no CUDA behind them), submitted as a user would, with
+deploy/slurm/submit.sh and the demo's tiny model: in the documented CPU form (actor.device=cpu), and once in the
+documented GPU form.
 
     n1: learner (het component 0, the batch host)   n2: actors (component 1)   n3: add_actors.sbatch
 
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import Cluster, SlurmUnavailable
+from cluster import GPUS, Cluster, SlurmUnavailable
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,13 +164,14 @@ def config(tiny_model_dir) -> list[str]:
 
 
 def test_a_request_the_cluster_cannot_run_fails_at_submission(slurm, config, tmp_path):
-    """Problems 1 and 8: GPUs asked of CPU nodes and more nodes than a het job can get are one line, exit 2,
-    before anything is queued; the documented CPU forms are accepted (the old #SBATCH --gpus-per-node=8 made
-    sbatch refuse every one with "Invalid generic resource (gres) specification")."""
+    """Problems 1 and 8: more GPUs per node than the nodes have and more nodes than a het job can get are one line,
+    exit 2, before anything is queued; the documented CPU forms are accepted (the old #SBATCH --gpus-per-node=8
+    made sbatch refuse every one on CPU nodes with "Invalid generic resource (gres) specification")."""
     run_dir = tmp_path / "run"
-    gpu = submit(slurm, tmp_path, *config, f"run.dir={run_dir}", "actor.device=auto", code=2)
+    gpu = submit(slurm, tmp_path, *config, f"run.dir={run_dir}", "actor.device=auto", f"cluster.actor_gpus_per_node={GPUS + 2}", code=2)
     (line,) = gpu.stderr.splitlines()
     assert line.startswith("fleetrl submit: actor.device = 'auto' asks for GPU nodes") and "actor.device=cpu" in line
+    assert f"cluster.actor_gpus_per_node = {GPUS + 2} GPUs, but the default partition has 0 (most GPUs on a node: {GPUS})" in line
     many = submit(slurm, tmp_path, *config, f"run.dir={run_dir}", "cluster.actor_nodes=3", code=2)
     (line,) = many.stderr.splitlines()
     assert "cluster.learner_nodes = 1 + cluster.actor_nodes = 3 = 4 nodes" in line and "pend forever" in line
@@ -283,6 +286,39 @@ def test_resume_through_fleet_sbatch_to_the_end(slurm, long_run):
     resumed = job.learner("learner.resumed_engines")
     assert resumed and resumed[-1]["checkpoint"].endswith(f"step-{stopped}")
     assert not list(first.run_dir.glob("previous-*"))
+
+
+def process_env(job: Job, argv_part: str, key: str) -> list[str]:
+    """`key` from the environment of each process of the job (either component) whose command line has `argv_part`."""
+    ids = {f"SLURM_JOB_ID={j}".encode() for j in (job.id, str(int(job.id) + 1))}
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if argv_part in cmdline and ids & set(environ):
+            found += [e.split(b"=", 1)[1].decode() for e in environ if e.startswith(key.encode() + b"=")]
+    return found
+
+
+def test_the_gpu_command_as_documented_on_gpu_nodes(slurm, tiny_model_dir, tmp_path):
+    """Item 3's GPU form, `deploy/slurm/submit.sh CONFIG` with no actor.device, on nodes that have GPUs (gres
+    gpu:GPUS: Slurm counts and allocates them; no CUDA device is behind them). Each component asks for its
+    cluster.*_gpus_per_node and gets them, fleet.sbatch's GPU check passes, and the actor node starts
+    actor_gpus_per_node / tensor_parallel_size actors, each on its own GPU. torch sees no CUDA on these nodes, so
+    actor.device = "auto" runs the engines and the learner on the CPU: this covers Slurm and the scripts, not CUDA."""
+    run_dir = tmp_path / "run"
+    args = [a for a in demo_args(tiny_model_dir, 4) if a not in ("actor.device=cpu", "cluster.actor_gpus_per_node=1")]
+    job = submitted(slurm, tmp_path, run_dir, *args, f"run.dir={run_dir}", f"cluster.actor_gpus_per_node={GPUS}")
+    assert slurm.gpus_per_node(job.id) == [1, GPUS]  # learner component, actor component
+    wait_for("both actors", lambda: len(job.actors("n2")) == GPUS, 240, job)
+    assert sorted(process_env(job, "deploy.cli actor", "CUDA_VISIBLE_DEVICES")) == [str(i) for i in range(GPUS)]
+    assert process_env(job, "deploy.cli actor", "SLURM_GPUS_ON_NODE") == [str(GPUS)] * GPUS
+    assert_ended_clean(job, "COMPLETED", {"0:0"}, job.actors("n2"))
+    assert_ledger_exact(job, 4)
+    assert {e["actor"] for e in job.learner("hub.actor_first_group")} == set(job.actors("n2"))  # both served
 
 
 def test_a_time_limit_signal_before_any_checkpoint_fails_instead_of_looping(slurm, config, tmp_path):

@@ -91,6 +91,15 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def process_name(pid: int) -> str:
+    """A child's own name (/proc/PID/comm: "VLLM::EngineCor" for an engine core), so an actor's engine and its
+    small helpers are reported apart; "child" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() or "child"
+    except OSError:
+        return "child"
+
+
 def label(cmd: str) -> str:
     if " learner" in cmd:
         return "learner"
@@ -127,9 +136,11 @@ class RssWatch:
                 name = label(cmd)
                 if name.startswith(("learner", "actor")):
                     self.owner[pid] = name
-                    for d in descendants(pid):
-                        self.owner.setdefault(d, f"{name}: child")
-                self.series.setdefault(pid, (self.owner.get(pid, name), []))[1].append((now, rss_kib(pid) / 1024))
+                    for d in descendants(pid):  # named as they are now: vLLM renames its engine core once started
+                        self.owner[d] = f"{name}: {process_name(d)}"
+                samples = self.series.get(pid, ("", []))[1]
+                self.series[pid] = (self.owner.get(pid, name), samples)
+                samples.append((now, rss_kib(pid) / 1024))
 
 
 def level(samples: list[tuple[float, float]], start: float, end: float) -> float | None:
@@ -141,10 +152,11 @@ def level(samples: list[tuple[float, float]], start: float, end: float) -> float
 def rss_growth(
     series: dict[int, tuple[str, list[tuple[float, float]]]], settle_s: float = 120.0, window_s: float = 60.0
 ) -> dict[str, dict]:
-    """Per label (learner, actor aN, an actor's engine processes: "actor aN: child"), the RSS its processes grow by. The process behind a
-    label is replaced when a fault kills it, so: `lives` incarnations; `longest_min`, the longest life, and its RSS
-    `settle_s` after it started and over its last `window_s` (growth within one life); `first`/`last`: the first and
-    last incarnations' RSS at the same age (growth carried across restarts: ledger, checkpoints). No I/O."""
+    """Per label (learner, actor aN, an actor's child processes by name: "actor aN: VLLM::EngineCor"), the RSS its
+    processes grow by. The process behind a label is replaced when a fault kills it, so: `lives` incarnations;
+    `longest_min`, the longest life, and its RSS `settle_s` after it started and over its last `window_s` (growth
+    within one life); `first`/`last`: the first and last incarnations' RSS at the same age (growth carried across
+    restarts: ledger, checkpoints). No I/O."""
     out: dict[str, dict] = {}
     for name, samples in series.values():
         if not samples:

@@ -323,6 +323,7 @@ def test_the_gpu_command_as_documented_on_gpu_nodes(slurm, tiny_model_dir, tmp_p
     # and one actor can finish it alone before the other's engine is up.)
     assert wait_for("the actor node's actors", actor_gpus, 240, job) == [str(i) for i in range(GPUS)]
     assert process_env(job, "deploy.cli actor", "SLURM_GPUS_ON_NODE") == [str(GPUS)] * GPUS
+    assert slurm.wait_done(job.id, 240) == "COMPLETED"
     actors = sorted(p.stem.removeprefix("actor-") for p in (run_dir / "logs").glob("actor-*.jsonl"))
     assert len(actors) == GPUS and all(a.startswith(f"n2-j{job.id}.") for a in actors), actors
     assert_ended_clean(job, "COMPLETED", {"0:0"}, actors)

@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -112,16 +113,22 @@ def wait_for(what: str, check, timeout: float, job: Job | None = None):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def job_processes(job_ids: set[str]) -> list[str]:
-    """Processes of these jobs (their environment names the job), slurmstepd's included."""
-    found = []
+def processes() -> Iterator[tuple[int, dict[str, str], str]]:
+    """(pid, environment, command line) of every process on this machine that can still be read."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        ids = {e.split(b"=", 1)[1].decode() for e in environ if e.startswith((b"SLURM_JOB_ID=", b"SLURM_JOBID="))}
+        yield int(pid), dict(e.split("=", 1) for e in environ if "=" in e), cmdline
+
+
+def job_processes(job_ids: set[str]) -> list[str]:
+    """Processes of these jobs (their environment names the job), slurmstepd's included."""
+    found = []
+    for pid, env, cmdline in processes():
+        ids = {env.get("SLURM_JOB_ID"), env.get("SLURM_JOBID")}
         if ids & job_ids or any(f"slurmstepd: [{j}." in cmdline for j in job_ids):
             found.append(f"{pid} {cmdline[:120]}")
     return found
@@ -290,17 +297,8 @@ def test_resume_through_fleet_sbatch_to_the_end(slurm, long_run):
 
 def process_env(job: Job, argv_part: str, key: str) -> list[str]:
     """`key` from the environment of each process of the job (either component) whose command line has `argv_part`."""
-    ids = {f"SLURM_JOB_ID={j}".encode() for j in (job.id, str(int(job.id) + 1))}
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if argv_part in cmdline and ids & set(environ):
-            found += [e.split(b"=", 1)[1].decode() for e in environ if e.startswith(key.encode() + b"=")]
-    return found
+    ids = {job.id, str(int(job.id) + 1)}
+    return [env[key] for _, env, cmdline in processes() if argv_part in cmdline and env.get("SLURM_JOB_ID") in ids and key in env]
 
 
 def test_the_gpu_command_as_documented_on_gpu_nodes(slurm, tiny_model_dir, tmp_path):
@@ -349,15 +347,7 @@ def test_a_time_limit_signal_before_any_checkpoint_fails_instead_of_looping(slur
 
 def rank_processes(job_id: str, rank: int) -> list[int]:
     """Pids of the job's learner worker of global rank `rank` (torchrun sets RANK in each worker's environment)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if f"SLURM_JOB_ID={job_id}".encode() in environ and f"RANK={rank}".encode() in environ:
-            found.append(int(pid))
-    return found
+    return [pid for pid, env, _ in processes() if env.get("SLURM_JOB_ID") == job_id and env.get("RANK") == str(rank)]
 
 
 def test_a_learner_crash_ends_the_job_promptly(slurm, config, tmp_path):

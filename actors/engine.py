@@ -21,6 +21,7 @@ across weight syncs: the loads write the parameters in place (actors/worker_ext.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -253,15 +254,21 @@ class Engine:
         # words: it lets outputs already produced reach their callers first). It is a stall on every sync.
         await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         self.weights_loads += 1  # requests from here on (they start once it resumes) share no cached KV with earlier ones
-        torn = False
+        torn = stopping = False
         try:
             # Every worker runs it at once (one per GPU with tensor parallelism), each as its own rank.
             # Each answer crossed vLLM's msgpack hop back: the map of its fields (protocol/worker_rpc.py).
             answers = await self.llm.collective_rpc("fleetrl_receive", args=(request,), timeout=sync.timeout_s + 30)
             result = merge_results([arrived(WeightsReceived, a) for a in answers])
             torn = result.torn
+        except asyncio.CancelledError:
+            # Only the actor's stop cancels a sync, and the engine is shut down next. Its workers may still be in the
+            # receive (the learner was signalled too), and the engine core answers one RPC at a time: a resume would
+            # wait behind the receive until weights.timeout_s, past the stop's grace (actor.stop_overdue).
+            stopping = True
+            raise
         finally:
-            if not torn:
+            if not (torn or stopping):
                 await self.llm.resume_generation()
         return result, time.perf_counter() - t0
 

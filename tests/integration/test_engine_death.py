@@ -9,9 +9,15 @@ prompt it held back in the queue.
   no grant held. vLLM never answers an RPC to a dead engine core: the actor used to wait on it for good,
   heartbeating, so the hub kept it as a live member.
 
-Both actors start at once, for one engine start's wait.
+And one that is stopped, not killed: SIGTERM to its process group, as a Slurm preemption signals every process of
+the step, while its worker waits in a sync's receive. It stops cleanly, exit 0, within the stop's grace. It used
+to resume the paused engine first, an RPC the engine core answers only after the receive (weights.timeout_s), and
+was SIGKILLed at the grace's end (actor.stop_overdue, in CI's Slurm preemption test).
+
+The three actors start at once, for one engine start's wait.
 """
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -20,6 +26,7 @@ import time
 import psutil
 import pytest
 
+from actors.main import STOP_GRACE_S
 from bench.fleet import Fleet
 from learner.hub.core.ledger import State
 from protocol import messages as m
@@ -77,12 +84,16 @@ def kill_and_check_exit(fleet: Fleet, actor: subprocess.Popen, name: str, core: 
 def test_an_actor_whose_engine_core_dies_exits_and_its_prompts_go_back(tmp_path, tiny_model_dir, start_hub):
     generating = Fleet(tmp_path / "generating", tiny_model_dir, TINY)
     loading = Fleet(tmp_path / "loading", tiny_model_dir, TINY)
+    stopping = Fleet(tmp_path / "stopping", tiny_model_dir, TINY)
     busy_hub = start_hub(f"hub.bind={generating.addr}", "rollout.samples_per_prompt=2", "train.prompts_per_step=8")
     sync_hub = start_hub(f"hub.bind={loading.addr}", "rollout.samples_per_prompt=2", "train.prompts_per_step=8")
+    stop_hub = start_hub(f"hub.bind={stopping.addr}", "rollout.samples_per_prompt=2", "train.prompts_per_step=8")
     sync_hub.finish_update(1, [])  # the learner is at version 1: the actor, at 0, gets no grant before its sync
+    stop_hub.finish_update(1, [])
     store = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=60)  # the weight group's rendezvous; rank 0 never comes
     try:
         busy, syncing = generating.start_actor("busy"), loading.start_actor("syncing")
+        stopped = stopping.start_actor("stopped")
 
         # 1. Grants in flight in the engine.
         core, procs = engine_core(generating, busy, "busy")
@@ -128,6 +139,26 @@ def test_an_actor_whose_engine_core_dies_exits_and_its_prompts_go_back(tmp_path,
         wait_until(lambda: "syncing" not in sync_hub.actors, "the hub still holds the dead actor", 5.0)
         with sync_hub.cond:
             assert sync_hub.ledger.state_counts()["granted"] == 0
+
+        # 3. A stop signal while a sync waits in the receive.
+        procs = psutil.Process(stopped.pid).children(recursive=True)
+        wait_until(lambda: "stopped" in stop_hub.live_actors(), "the actor did not register")
+        stop_hub.send_weight_sync(["stopped"], lambda _: dataclasses.replace(sync, group_epoch=2))
+        wait_until(lambda: store.check([joined_key(2, 1)]), "the engine's worker did not join the weight group")
+        t0 = time.monotonic()
+        stopping.kill("stopped", signal.SIGTERM)  # the group: the engine core and its worker get it too
+        try:
+            code = stopped.wait(STOP_GRACE_S + 5)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the actor still runs {STOP_GRACE_S + 5} s after SIGTERM:\n{stopping.output('stopped')[-3000:]}"
+            ) from None
+        assert code == 0, stopping.output("stopped")[-3000:]
+        assert time.monotonic() - t0 < STOP_GRACE_S
+        assert not stopping.find("stopped", "actor.stop_overdue")
+        assert stopping.find("stopped", "actor.stopped", lambda e: e["exit_code"] == 0)
+        wait_until(lambda: not any(alive(p) for p in procs), f"processes left: {[p.pid for p in procs if alive(p)]}", timeout_s=10)
     finally:
         generating.stop_all()
         loading.stop_all()
+        stopping.stop_all()

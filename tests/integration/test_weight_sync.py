@@ -1,4 +1,4 @@
-"""The weight-update path, proven: after a sync the engine's logprobs equal the learner's within 1e-4.
+"""The weight-update path, proven: after a sync the engine's logprobs equal the learner's within 3e-4 (SYNCED).
 
 A real vLLM AsyncLLM (CPU build) serves a tiny model; the learner side perturbs its
 own copy, and WeightSender broadcasts it over a real gloo weight group into the
@@ -11,6 +11,7 @@ process to the engine core that every engine has.
 """
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +23,12 @@ from protocol.config import load_config
 from protocol.worker_rpc import GemmLayers, arrived
 
 pytestmark = pytest.mark.engine
+
+# The engine's logprobs and the learner's on the same weights: both fp32, summed in other orders (vLLM's CPU kernels,
+# torch's). Weights perturbed by 0.3 x randn make large logits: the largest difference over a group's sampled tokens
+# reached 1.3e-4 in 150 groups (2026-11-29; CI once failed a bound of 1e-4 at 1.0085e-4), and is about 5e-7 on the
+# weights from disk. Stale weights are off by more than 0.01.
+SYNCED = 3e-4
 
 
 class DirectHub:
@@ -135,7 +142,7 @@ def test_logprobs_match_after_sync(setup):
         assert gemm.plain > 0 and gemm.packed == 0, gemm
     else:
         assert gemm.packed > 0, gemm  # vLLM's packed copies: the path that goes stale without a repack
-    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4  # same weights from disk
+    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < SYNCED  # same weights from disk
 
     torch.manual_seed(0)
     with torch.no_grad():
@@ -149,7 +156,7 @@ def test_logprobs_match_after_sync(setup):
     hub = DirectHub(["engine"])
     msg, info = _sync(cfg, engine, sender, hub, 1, loop)
     assert msg.group_epoch == 1 and info.repacked == gemm.packed
-    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4
+    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < SYNCED
 
     # A second sync into a new group epoch (membership changed) must work the same way.
     with torch.no_grad():
@@ -168,7 +175,7 @@ def test_logprobs_match_after_sync(setup):
     snapshot = lambda out: [torch.cat([params[i].detach().reshape(-1) for i in r]) for r in shards.ranges]  # noqa: E731
     msg, _ = _sync(cfg, engine, shards, hub, 2, loop, snapshot)
     assert msg.group_epoch == 2
-    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4
+    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < SYNCED
     sender.epoch = shards.epoch  # back to the first sender: the next epoch is 3 (an epoch number is never reused)
 
     # The learner's path: parameters as views of one flat buffer (DeepSpeed ZeRO-1/2's layout) and a
@@ -187,7 +194,7 @@ def test_logprobs_match_after_sync(setup):
     opt.step()
     assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) > 0.01, "the step must be visible before the sync"
     _sync(cfg, engine, sender, hub, 3, loop)
-    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < 1e-4
+    assert max_mismatch(engine, model, prompt, cfg.rollout.temperature) < SYNCED
 
 
 def test_completion_text_is_what_vllm_would_detokenize(setup):
@@ -228,7 +235,7 @@ def test_the_prefix_cache_never_outlives_a_sync(setup):
     assert engine.prefix_caching
     prompt = np.array([(5 * i + 3) % 19 + 1 for i in range(40)], dtype=np.int32)  # a 32-token block, and more
     temperature = cfg.rollout.temperature
-    assert max_mismatch(engine, model, prompt, temperature) < 1e-4  # in sync with the learner's copy; now cached
+    assert max_mismatch(engine, model, prompt, temperature) < SYNCED  # in sync with the learner's copy; now cached
     sender = WeightSender.for_params(cfg.weights, list(model.named_parameters()), "float32")
     hub = DirectHub(["engine-cache"])
 
@@ -240,15 +247,65 @@ def test_the_prefix_cache_never_outlives_a_sync(setup):
 
     perturb(1)
     _sync(cfg, engine, sender, hub, 10, loop)
-    assert max_mismatch(engine, model, prompt, temperature) < 1e-4  # the cached blocks of the old weights are not hit
+    assert max_mismatch(engine, model, prompt, temperature) < SYNCED  # the cached blocks of the old weights are not hit
 
     engine.cache_salt = lambda: "one salt for all weights"  # what an unsalted prefix cache does
     try:
-        assert max_mismatch(engine, model, prompt, temperature) < 1e-4  # cached under this salt, with these weights
+        assert max_mismatch(engine, model, prompt, temperature) < SYNCED  # cached under this salt, with these weights
         perturb(2)
         _sync(cfg, engine, sender, hub, 11, loop)
         stale = max_mismatch(engine, model, prompt, temperature)
     finally:
         del engine.cache_salt
     assert stale > 0.01, f"the cache was not hit ({stale}): this test would prove nothing"
-    assert max_mismatch(engine, model, prompt, temperature) < 1e-4  # salted again: computed afresh
+    assert max_mismatch(engine, model, prompt, temperature) < SYNCED  # salted again: computed afresh
+
+
+def test_a_stop_during_a_sync_does_not_wait_for_the_receive(setup):
+    """An actor's stop cancels its sync, and its workers may still be in the receive (the learner was signalled
+    too: a Slurm preemption signals every process). The cancel ends at once. A resume of the paused engine would
+    wait behind the receive (the engine core answers one RPC at a time): the stop used to wait there, past its grace
+    (actor.stop_overdue in CI's Slurm preemption test)."""
+    from protocol import messages as m
+    from protocol import weights as wg
+    from protocol.abortable import joined_key
+
+    cfg, engine, _, loop = setup
+    if cfg.actor.cpu_gemm != "torch":
+        pytest.skip("once per executor (in the engine core, in a worker process): the gemm changes nothing here")
+    receive_s = 4.0
+    store = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=60)  # the group's rendezvous; rank 0 never comes
+    sync = m.WeightSync(
+        policy_version=99,
+        group_epoch=1,
+        store_host="127.0.0.1",
+        store_port=store.port,
+        rank=1,
+        ranks=1,
+        world_size=2,
+        backend="gloo",
+        timeout_s=receive_s,
+        names=["w"],
+        shapes=[[4]],
+        dtype="float32",
+        bucket_bytes=1 << 20,
+    )
+
+    async def stop_during_the_receive() -> tuple[float, float]:
+        task = asyncio.ensure_future(engine.apply_weights(sync))
+        t_start = time.monotonic()
+        while not store.check([joined_key(1, 1)]):  # the worker is in the receive, waiting for rank 0
+            assert not task.done() and time.monotonic() - t_start < receive_s / 2, "the worker did not join in time"
+            await asyncio.sleep(0.02)
+        t0 = time.monotonic()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        cancel_s = time.monotonic() - t0
+        await engine.llm.resume_generation()  # what the stop used to wait for; it leaves the engine as it was
+        return cancel_s, time.monotonic() - t0
+
+    cancel_s, resume_s = loop.run_until_complete(stop_during_the_receive())
+    assert cancel_s < 0.5, cancel_s
+    assert resume_s > receive_s / 2, f"the resume did not wait for the receive ({resume_s:.2f} s): this test proves nothing"
+    completions = loop.run_until_complete(engine.generate_group(np.array([5, 6, 17], dtype=np.int32), 2))
+    assert len(completions) == 2 and all(len(c.token_ids) for c in completions)  # the engine serves again

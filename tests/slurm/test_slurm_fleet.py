@@ -148,6 +148,8 @@ def assert_ended_clean(job: Job, state: str, codes: set[str] | None, actors: lis
     assert not main or not (job.run_dir / "hub_address").exists()
     for actor in actors:
         log = job.events(f"actor-{actor}.jsonl")
+        starts = [i for i, e in enumerate(log) if e["event"] == "actor.engine_start.begin"]
+        log = log[starts[-1] if starts else 0 :]  # its last life: a requeued job's actor writes on in the same file
         assert [e["exit_code"] for e in log if e["event"] == "actor.stopped"][-1:] == [0], actor
         assert not [e for e in log if e["event"] == "actor.stop_overdue"], actor  # scancel's two SIGTERMs: one clean stop
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 from cluster import GPUS, Cluster, SlurmUnavailable
 
+from bench.fleet import when
+
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[2]
 SUBMIT = str(ROOT / "deploy" / "slurm" / "submit.sh")
@@ -324,6 +326,10 @@ def test_the_gpu_command_as_documented_on_gpu_nodes(slurm, tiny_model_dir, tmp_p
     assert wait_for("the actor node's actors", actor_gpus, 240, job) == [str(i) for i in range(GPUS)]
     assert process_env(job, "deploy.cli actor", "SLURM_GPUS_ON_NODE") == [str(GPUS)] * GPUS
     assert slurm.wait_done(job.id, 240) == "COMPLETED"
+    # An actor the hub's stop never reached (the short run may end before its engine is up) used to keep the job
+    # 60 s more, waiting for a learner that was gone: fleet.sbatch now waits 10 s, then stops it.
+    ended_s = time.time() - when(job.learner("learner.done")[-1])
+    assert ended_s < 30, f"the job ended {ended_s:.0f} s after its learner"
     actors = sorted(p.stem.removeprefix("actor-") for p in (run_dir / "logs").glob("actor-*.jsonl"))
     assert len(actors) == GPUS and all(a.startswith(f"n2-j{job.id}.") for a in actors), actors
     assert_ended_clean(job, "COMPLETED", {"0:0"}, actors)

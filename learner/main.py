@@ -42,7 +42,7 @@ from learner.resume import (
     set_aside_previous_run,
 )
 from learner.root import Root
-from learner.train.distributed import Topology, init_distributed, make_topology
+from learner.train.distributed import Topology, exit_process, init_distributed, make_topology
 from learner.train.engines import UpdateLayout
 from learner.train.shard import scatter_shares
 from learner.train.trainer import Trainer
@@ -62,7 +62,9 @@ def run_learner(cfg: Config, resume: bool = False) -> int:
     # "DeepSpeed ... built successfully" on stdout as it joins on a CPU: not news to anyone reading the screen.
     with contextlib.redirect_stdout(io.StringIO()):
         init_distributed()
-    return _run_rank(cfg, resume)
+    code = _run_rank(cfg, resume)
+    exit_process(code)  # a clean finish ends here, before the interpreter's teardown (learner/train/distributed.py)
+    return code
 
 
 def _run_rank(cfg: Config, resume: bool) -> int:

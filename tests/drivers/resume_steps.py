@@ -34,7 +34,7 @@ from learner.resume import (  # noqa: E402
     save_engines,
     write_learner_state,
 )
-from learner.train.distributed import init_distributed, make_topology  # noqa: E402
+from learner.train.distributed import exit_process, init_distributed, make_topology  # noqa: E402
 from learner.train.engines import UpdateLayout  # noqa: E402
 from learner.train.shard import make_shares, scatter_shares  # noqa: E402
 from learner.train.trainer import Trainer  # noqa: E402
@@ -119,3 +119,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # as a learner rank ends: no interpreter teardown for gloo to abort in

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.synthetic import synthetic_groups  # noqa: E402
 from learner.plan import make_plan  # noqa: E402
-from learner.train.distributed import init_distributed, make_topology  # noqa: E402
+from learner.train.distributed import exit_process, init_distributed, make_topology  # noqa: E402
 from learner.train.engines import UpdateLayout  # noqa: E402
 from learner.train.shard import make_shares, scatter_shares  # noqa: E402
 from learner.train.trainer import Trainer  # noqa: E402
@@ -96,3 +96,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # as a learner rank ends: no interpreter teardown for gloo to abort in

@@ -39,9 +39,10 @@ def test_partial_credit_is_the_pass_fraction_and_all_or_nothing_gives_none():
 def test_hanging_solution_scores_zero_within_its_time_limit():
     reward = CodeTests(limits=SandboxLimits(wall_s=1.0, cpu_s=5))
     start = time.monotonic()
-    score, parts = reward(ctx(HANGS))
+    ten = json.dumps({"inputs": ["1 2\n"] * 10, "outputs": ["3\n"] * 10})
+    score, parts = reward(ctx(HANGS, ten))
     assert (score, parts["timed_out"]) == (0.0, 1.0)
-    assert time.monotonic() - start < 3.0  # the first timeout ends the scoring: not one wall_s per test
+    assert time.monotonic() - start < 6.0  # the first timeout ends the scoring: not one wall_s per test (10 s)
 
 
 def test_no_code_block_scores_zero_without_running_anything():

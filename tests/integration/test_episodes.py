@@ -34,7 +34,7 @@ HERE = "tests.integration.test_episodes"
 PROMPT_TEXT = "3141 5926"
 OBSERVATIONS = ("42", "7 9")  # start with a digit: the BPE merges it with the turn's last digit when re-tokenized
 TIMEOUT_S = 0.5  # rollout.env_timeout_s for every test here
-SLEEP_S = 1.5  # a plain-def step sleeps this long: past the timeout, and short enough for its thread to end soon
+SLEEP_S = 4.0  # a plain-def step sleeps this long: past the timeout and a loaded machine's generation; its thread ends soon
 
 
 # ---- environments -------------------------------------------------------------------------------------

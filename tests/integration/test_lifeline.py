@@ -106,7 +106,7 @@ def test_a_stop_signal_ends_a_stuck_root_and_its_children(signals):
             time.sleep(0.2)
         assert root.wait(grace_s + 5) == 128 + signals[0]
         took = time.monotonic() - t0
-        assert took < 2 if forced else grace_s <= took < grace_s + 2, took
+        assert took < 5 if forced else grace_s <= took < grace_s + 3, took  # forced: far under its 30 s grace
         assert root.stdout.read() == f"overdue {int(signals[0])} 1\n"
         assert not still_alive_after([child], 1.0)
     finally:

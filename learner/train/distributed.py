@@ -50,7 +50,8 @@ def init_distributed() -> None:
 
     The groups are destroyed at interpreter exit (atexit), before Python's own teardown. Left to that
     teardown, gloo sometimes killed a rank that had finished cleanly ("terminate called without an active
-    exception", SIGABRT), and torchrun reported the run failed: the learner's ranks, the test drivers.
+    exception", SIGABRT), and torchrun reported the run failed: the learner's ranks, the test drivers. It still
+    did now and then (other references keep a group's backend alive): a finished rank ends with `exit_process`.
     """
     import deepspeed
 

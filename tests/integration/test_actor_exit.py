@@ -45,13 +45,21 @@ def tree(proc: subprocess.Popen) -> list[psutil.Process]:
     return psutil.Process(proc.pid).children(recursive=True)
 
 
+def command(p: psutil.Process) -> str:
+    """Its name and command line; "" for one that has ended (a zombie has no command line: psutil raises)."""
+    try:
+        return p.name() + " " + " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_a_killed_actor_takes_its_processes_with_it(tmp_path, tiny_model_dir):
     fleet = Fleet(tmp_path / "run", tiny_model_dir, TINY)
     try:
         actor = fleet.start_actor("victim")
         fleet.wait_for("victim", "actor.reward_workers_start.done", timeout=400)
         procs = tree(actor)
-        names = [p.name() + " " + " ".join(p.cmdline()) for p in procs]
+        names = [command(p) for p in procs]
         assert sum("EngineCore" in n for n in names) == 1, names
         assert sum("actors.rewards.worker" in n for n in names) == fleet.cfg.rollout.reward_workers, names
         os.kill(actor.pid, signal.SIGKILL)  # the actor alone (its group is left alone), as the OOM killer would
@@ -71,7 +79,7 @@ def test_sigterm_stops_a_starting_actor_and_its_processes(tmp_path, tiny_model_d
 
         # 1. SIGTERM to the actor alone once vLLM has spawned its engine core: the engine start blocks the loop.
         deadline = time.monotonic() + 300
-        while not (procs := [p for p in tree(first) if "multiprocessing.spawn" in " ".join(p.cmdline())]):
+        while not (procs := [p for p in tree(first) if "multiprocessing.spawn" in command(p)]):
             assert time.monotonic() < deadline and first.poll() is None, "no engine core process"
             time.sleep(0.05)
         time.sleep(1.0)
@@ -87,7 +95,7 @@ def test_sigterm_stops_a_starting_actor_and_its_processes(tmp_path, tiny_model_d
         # 2. SIGTERM to the process group as the warm-up begins: the engine core gets it too and exits.
         warming.wait_for("warming", "actor.engine_warmup.begin", timeout=400, poll_s=0.001)
         procs = tree(second)
-        assert any("EngineCore" in p.name() for p in procs), [p.name() for p in procs]
+        assert any("EngineCore" in command(p) for p in procs), [command(p) for p in procs]
         warming.kill("warming", signal.SIGTERM)
         assert second.wait(EXIT_S) == 0  # a clean stop
         assert not still_alive_after(procs, 1.0)

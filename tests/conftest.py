@@ -245,3 +245,60 @@ def torchrun_driver(driver: str, nproc: int, out: Path, *args: str, accelerator:
 
 
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+# ---- processes and waits shared by the process-level tests ----------------------------------------------------
+def alive(p) -> bool:
+    """psutil.Process `p` runs (a zombie is dead, waiting for its parent to reap it)."""
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def command(p) -> str:
+    """psutil.Process `p`'s name and command line; "" for one that has ended (a zombie has none: psutil raises)."""
+    import psutil
+
+    try:
+        return p.name() + " " + " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def settled(read, what: str, quiet_s: float, timeout_s: float = 10.0):
+    """`read()` once it has not changed for `quiet_s` (what was in flight has landed); fails the test, saying `what`
+    kept changing, after `timeout_s`."""
+    import time
+
+    deadline, last, since = time.monotonic() + timeout_s, read(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"{what} kept changing for {timeout_s} s"
+        time.sleep(0.05)
+        if (now := read()) != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def unserved_sync(store_port: int, epoch: int = 1, timeout_s: float = 60.0):
+    """A WeightSync into group `epoch` of the rendezvous on 127.0.0.1:`store_port`, whose rank 0 never comes: the
+    engine's worker joins it and waits in the receive for `timeout_s`."""
+    from protocol import messages as m
+
+    return m.WeightSync(
+        policy_version=1,
+        group_epoch=epoch,
+        store_host="127.0.0.1",
+        store_port=store_port,
+        rank=1,
+        ranks=1,
+        world_size=2,
+        backend="gloo",
+        timeout_s=timeout_s,
+        names=["w"],
+        shapes=[[4]],
+        dtype="float32",
+        bucket_bytes=1 << 20,
+    )

@@ -17,6 +17,7 @@ import time
 
 import psutil
 import pytest
+from conftest import alive, command
 
 from actors.main import STOP_GRACE_S
 from bench.fleet import Fleet
@@ -25,13 +26,6 @@ pytestmark = pytest.mark.engine
 
 TINY = ["actor.kvcache_gib=1", "rollout.samples_per_prompt=2"]
 EXIT_S = STOP_GRACE_S + 4.0  # a stop signal to the actor and its children gone, at most
-
-
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE  # a zombie is dead, waiting for init to reap it
-    except psutil.NoSuchProcess:
-        return False
 
 
 def still_alive_after(procs: list[psutil.Process], timeout_s: float) -> list[str]:
@@ -43,14 +37,6 @@ def still_alive_after(procs: list[psutil.Process], timeout_s: float) -> list[str
 
 def tree(proc: subprocess.Popen) -> list[psutil.Process]:
     return psutil.Process(proc.pid).children(recursive=True)
-
-
-def command(p: psutil.Process) -> str:
-    """Its name and command line; "" for one that has ended (a zombie has no command line: psutil raises)."""
-    try:
-        return p.name() + " " + " ".join(p.cmdline())
-    except psutil.Error:
-        return ""
 
 
 def test_a_killed_actor_takes_its_processes_with_it(tmp_path, tiny_model_dir):

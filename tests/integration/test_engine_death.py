@@ -17,7 +17,6 @@ was SIGKILLed at the grace's end (actor.stop_overdue, in CI's Slurm preemption t
 The three actors start at once, for one engine start's wait.
 """
 
-import dataclasses
 import os
 import signal
 import subprocess
@@ -25,11 +24,11 @@ import time
 
 import psutil
 import pytest
+from conftest import alive, command, settled, unserved_sync
 
 from actors.main import STOP_GRACE_S
 from bench.fleet import Fleet
 from learner.hub.core.ledger import State
-from protocol import messages as m
 from protocol import weights as wg
 from protocol.abortable import joined_key
 
@@ -40,13 +39,6 @@ MAX_GROUPS = 3
 # Generous for a loaded machine; the old actor waited forever in the sync case.
 EXIT_S = 30.0
 TINY = ["actor.kvcache_gib=1", "rollout.samples_per_prompt=2", f"actor.max_groups={MAX_GROUPS}"]
-
-
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE  # a zombie is dead, waiting for init to reap it
-    except psutil.NoSuchProcess:
-        return False
 
 
 def wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
@@ -60,15 +52,8 @@ def engine_core(fleet: Fleet, actor: subprocess.Popen, name: str) -> tuple[psuti
     """The actor's engine core and all its processes, once it is warmed up (it registers next)."""
     fleet.wait_for(name, "actor.reward_workers_start.done", timeout=400)
     procs = psutil.Process(actor.pid).children(recursive=True)
-    (core,) = [p for p in procs if "EngineCore" in process_name(p)]
+    (core,) = [p for p in procs if "EngineCore" in command(p)]
     return core, procs
-
-
-def process_name(p: psutil.Process) -> str:
-    try:
-        return p.name()
-    except psutil.Error:  # ended since the listing
-        return ""
 
 
 def kill_and_check_exit(fleet: Fleet, actor: subprocess.Popen, name: str, core: psutil.Process, procs: list[psutil.Process]) -> dict:
@@ -113,11 +98,7 @@ def test_an_actor_whose_engine_core_dies_exits_and_its_prompts_go_back(tmp_path,
         wait_until(lambda: len(held()) == MAX_GROUPS, f"the actor holds {held()}")
         # A group the engine had finished before it was stopped may still be on its way (scored, then sent): its
         # key is received then, and the actor asks for another. What it holds once nothing moves for 1 s is stuck.
-        keys, since = held(), time.monotonic()
-        while time.monotonic() - since < 1.0:
-            time.sleep(0.05)
-            if (now := held()) != keys:
-                keys, since = now, time.monotonic()
+        keys = settled(held, "the actor's leases", 1.0)
         assert len(keys) == MAX_GROUPS, keys
         died = kill_and_check_exit(generating, busy, "busy", core, procs)
         assert (died["groups_in_flight"], died["syncing"]) == (MAX_GROUPS, False)
@@ -131,21 +112,7 @@ def test_an_actor_whose_engine_core_dies_exits_and_its_prompts_go_back(tmp_path,
         # 2. A weight sync in flight in the engine: its worker has joined the group epoch and waits for rank 0.
         core, procs = engine_core(loading, syncing, "syncing")
         wait_until(lambda: "syncing" in sync_hub.live_actors(), "the actor did not register")
-        sync = m.WeightSync(
-            policy_version=1,
-            group_epoch=1,
-            store_host="127.0.0.1",
-            store_port=store.port,
-            rank=1,
-            ranks=1,
-            world_size=2,
-            backend="gloo",
-            timeout_s=60.0,
-            names=["w"],
-            shapes=[[4]],
-            dtype="float32",
-            bucket_bytes=1 << 20,
-        )
+        sync = unserved_sync(store.port)
         sync_hub.send_weight_sync(["syncing"], lambda _: sync)
         wait_until(lambda: store.check([joined_key(1, 1)]), "the engine's worker did not join the weight group")
         died = kill_and_check_exit(loading, syncing, "syncing", core, procs)
@@ -157,7 +124,7 @@ def test_an_actor_whose_engine_core_dies_exits_and_its_prompts_go_back(tmp_path,
         # 3. A stop signal while a sync waits in the receive.
         procs = psutil.Process(stopped.pid).children(recursive=True)
         wait_until(lambda: "stopped" in stop_hub.live_actors(), "the actor did not register")
-        stop_hub.send_weight_sync(["stopped"], lambda _: dataclasses.replace(sync, group_epoch=2))
+        stop_hub.send_weight_sync(["stopped"], lambda _: unserved_sync(store.port, epoch=2))
         wait_until(lambda: store.check([joined_key(2, 1)]), "the engine's worker did not join the weight group")
         t0 = time.monotonic()
         stopping.kill("stopped", signal.SIGTERM)  # the group: the engine core and its worker get it too

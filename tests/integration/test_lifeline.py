@@ -20,18 +20,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = str(ROOT / "tests" / "drivers" / "lifeline_tree.py")
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="prctl(PR_SET_PDEATHSIG) is Linux's")
-
-
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE  # a zombie is dead, waiting for init to reap it
-    except psutil.NoSuchProcess:
-        return False
 
 
 def still_alive_after(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 
 import pytest
+from conftest import settled
 from scripted_actor import ScriptedActor
 
 from deploy.cli import main
@@ -50,12 +51,7 @@ def test_status_once_shows_the_fleet(capsys, start_hub):
                 return {a: (s.served_version, s.groups, len(s.held), s.last_seen) for a, s in hub.actors.items()}
 
         # Until their last messages have landed (an actor sees `quiet` only between two messages): nothing heard for 0.4 s.
-        deadline, last, since = time.monotonic() + 10, seen(), time.monotonic()
-        while time.monotonic() - since < 0.4:
-            assert time.monotonic() < deadline, "the quiet actors kept sending"
-            time.sleep(0.05)
-            if (now := seen()) != last:
-                last, since = now, time.monotonic()
+        settled(seen, "what the quiet actors sent", 0.4)
         reply = fetch(addr)
         with hub.cond:
             state = {a: (s.served_version, s.groups, len(s.held)) for a, s in hub.actors.items()}

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import unserved_sync
 
 from learner.train.batch import Sample, make_micro_batch, token_logprobs
 from learner.weights.sync import WeightSender
@@ -266,7 +267,6 @@ def test_a_stop_during_a_sync_does_not_wait_for_the_receive(setup):
     too: a Slurm preemption signals every process). The cancel ends at once. A resume of the paused engine would
     wait behind the receive (the engine core answers one RPC at a time): the stop used to wait there, past its grace
     (actor.stop_overdue in CI's Slurm preemption test)."""
-    from protocol import messages as m
     from protocol import weights as wg
     from protocol.abortable import joined_key
 
@@ -275,21 +275,7 @@ def test_a_stop_during_a_sync_does_not_wait_for_the_receive(setup):
         pytest.skip("once per executor (in the engine core, in a worker process): the gemm changes nothing here")
     receive_s = 8.0  # the receive's own timeout: the worker gives up on rank 0 then
     store = wg.open_store("127.0.0.1", 0, is_master=True, timeout_s=60)  # the group's rendezvous; rank 0 never comes
-    sync = m.WeightSync(
-        policy_version=99,
-        group_epoch=1,
-        store_host="127.0.0.1",
-        store_port=store.port,
-        rank=1,
-        ranks=1,
-        world_size=2,
-        backend="gloo",
-        timeout_s=receive_s,
-        names=["w"],
-        shapes=[[4]],
-        dtype="float32",
-        bucket_bytes=1 << 20,
-    )
+    sync = unserved_sync(store.port, timeout_s=receive_s)
 
     async def stop_during_the_receive() -> tuple[float, float]:
         task = asyncio.ensure_future(engine.apply_weights(sync))

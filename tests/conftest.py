@@ -12,6 +12,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def pytest_collection_modifyitems(config, items):
+    # The Slurm module first: one file of 4-5 minutes, that make test's other worker (pytest-xdist, --dist
+    # loadfile) fills with the rest; started last, it would be the last to finish.
+    items.sort(key=lambda item: "tests/slurm/" not in item.nodeid)
     try:
         import torch
 
@@ -62,8 +65,7 @@ def _no_log_context_leaks():
     logs._CONTEXT.update(before)
 
 
-@pytest.fixture(autouse=True)
-def _no_rendezvous_leaks():
+def _restoring_rendezvous():
     before = {k: os.environ.get(k) for k in _RENDEZVOUS}
     yield
     for k, v in before.items():
@@ -71,6 +73,20 @@ def _no_rendezvous_leaks():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+# Per test, and per module: a module fixture's engine (test_step_failures' DeepSpeed trainer) is built before any
+# test's own guard reads the environment, so only the module's guard, set up first, sees it clean. Without it
+# the variables outlived the module, and under pytest-xdist (make test) a later module's learners on the same
+# worker failed with EADDRINUSE.
+@pytest.fixture(autouse=True)
+def _no_rendezvous_leaks():
+    yield from _restoring_rendezvous()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_rendezvous_leaks_from_the_module():
+    yield from _restoring_rendezvous()
 
 
 def rollout_group(n=3, prompt_len=4, version=0, seed=0, actor="a0", prompt_id=7, epoch=0, prompt_tokens=None):
@@ -280,6 +296,18 @@ def settled(read, what: str, quiet_s: float, timeout_s: float = 10.0):
         if (now := read()) != last:
             last, since = now, time.monotonic()
     return last
+
+
+def wait_until(cond, what, timeout_s: float = 60.0, every_s: float = 0.05):
+    """`cond()`'s first true value, polled every `every_s`; fails the test after `timeout_s`, saying `what` (a string,
+    or a callable read at that moment, so that it tells the state at the deadline)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()):
+        assert time.monotonic() < deadline, what() if callable(what) else what
+        time.sleep(every_s)
+    return value
 
 
 def unserved_sync(store_port: int, epoch: int = 1, timeout_s: float = 60.0):

@@ -8,6 +8,7 @@ learner's: take a batch, "train" (sleep), finish the update, let the actors sync
 import time
 
 import pytest
+from conftest import wait_until
 from scripted_actor import ScriptedActor
 from structlog.testing import capture_logs
 
@@ -61,28 +62,19 @@ def test_control_file_changes_max_staleness(tmp_path, start_hub):
     path.write_text("max_staleness = 5\n")  # there before the start: not applied
     hub = start_hub(*COMMON, "staleness.max_staleness=1", control_file=path)
 
-    def settles(expect: int) -> int:
-        deadline = time.monotonic() + 5
-        while hub.max_staleness != expect and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return hub.max_staleness
-
     time.sleep(1.5)  # at least one poll
     assert hub.max_staleness == 1
     with capture_logs() as logs:
         path.write_text("max_staleness = 4\n")
-        assert settles(4) == 4
+        wait_until(lambda: hub.max_staleness == 4, lambda: f"max_staleness is {hub.max_staleness}, not 4", 5)
 
-        def logged(event: str) -> bool:  # the hub reads the file once a second, later on a loaded machine
-            deadline = time.monotonic() + 10
-            while event not in [e["event"] for e in logs] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            return event in [e["event"] for e in logs]
+        def logged(event: str) -> None:  # the hub reads the file once a second, later on a loaded machine
+            wait_until(lambda: event in [e["event"] for e in logs], f"{event} was not logged", 10)
 
         path.write_text("max_staleness = 0\n")  # < S - 1: refused, logged
-        assert logged("hub.control_refused")
+        logged("hub.control_refused")
         path.write_text("max_staleness = [\n")  # not TOML: logged, ignored
-        assert logged("hub.control_file_bad")
+        logged("hub.control_file_bad")
     assert hub.max_staleness == 4
     source = next(e["source"] for e in logs if e["event"] == "hub.max_staleness_changed")
     assert source == f"file {path}"

@@ -24,7 +24,7 @@ import time
 
 import psutil
 import pytest
-from conftest import alive, command, settled, unserved_sync
+from conftest import alive, command, settled, unserved_sync, wait_until
 
 from actors.main import STOP_GRACE_S
 from bench.fleet import Fleet
@@ -39,13 +39,6 @@ MAX_GROUPS = 3
 # Generous for a loaded machine; the old actor waited forever in the sync case.
 EXIT_S = 30.0
 TINY = ["actor.kvcache_gib=1", "rollout.samples_per_prompt=2", f"actor.max_groups={MAX_GROUPS}"]
-
-
-def wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def engine_core(fleet: Fleet, actor: subprocess.Popen, name: str) -> tuple[psutil.Process, list[psutil.Process]]:
@@ -69,7 +62,7 @@ def kill_and_check_exit(fleet: Fleet, actor: subprocess.Popen, name: str, core: 
     assert not fleet.find(name, "actor.task_failed"), "one line with the cause, not a traceback per task"
     assert fleet.find(name, "actor.stopped", lambda e: e["exit_code"] == 1)
     # Children that die of PDEATHSIG (actors/lifeline.py) do so just after the actor: give them a moment.
-    wait_until(lambda: not any(alive(p) for p in procs), f"processes left: {[p.pid for p in procs if alive(p)]}", timeout_s=10)
+    wait_until(lambda: not any(alive(p) for p in procs), lambda: f"processes left: {[p.pid for p in procs if alive(p)]}", timeout_s=10)
     return died
 
 
@@ -95,7 +88,7 @@ def test_an_actor_whose_engine_core_dies_exits_and_its_prompts_go_back(tmp_path,
             with busy_hub.cond:
                 return sorted(busy_hub.actors["busy"].held) if "busy" in busy_hub.actors else []
 
-        wait_until(lambda: len(held()) == MAX_GROUPS, f"the actor holds {held()}")
+        wait_until(lambda: len(held()) == MAX_GROUPS, lambda: f"the actor holds {held()}")
         # A group the engine had finished before it was stopped may still be on its way (scored, then sent): its
         # key is received then, and the actor asks for another. What it holds once nothing moves for 1 s is stuck.
         keys = settled(held, "the actor's leases", 1.0)
@@ -138,7 +131,7 @@ def test_an_actor_whose_engine_core_dies_exits_and_its_prompts_go_back(tmp_path,
         assert time.monotonic() - t0 < STOP_GRACE_S
         assert not stopping.find("stopped", "actor.stop_overdue")
         assert stopping.find("stopped", "actor.stopped", lambda e: e["exit_code"] == 0)
-        wait_until(lambda: not any(alive(p) for p in procs), f"processes left: {[p.pid for p in procs if alive(p)]}", timeout_s=10)
+        wait_until(lambda: not any(alive(p) for p in procs), lambda: f"processes left: {[p.pid for p in procs if alive(p)]}", timeout_s=10)
     finally:
         generating.stop_all()
         loading.stop_all()

@@ -17,6 +17,7 @@ import time
 import pytest
 import structlog
 import torch
+from conftest import wait_until
 from structlog.testing import capture_logs
 
 from deploy.tiny import build_tokenizer
@@ -83,15 +84,12 @@ def test_an_abandoned_build_drops_what_it_made_then_and_later():
     with pytest.raises(Aborted):
         waits.build(make, dropped.append)
 
-    def until(want: list[str]) -> list[str]:  # the build's thread may be slow to start on a loaded machine
-        deadline = time.monotonic() + 5
-        while dropped != want and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return dropped
+    def until(want: list[str]) -> None:  # the build's thread may be slow to start on a loaded machine
+        wait_until(lambda: dropped == want, lambda: f"dropped {dropped}, not {want}", 5, every_s=0.01)
 
-    assert until(["group"]) == ["group"]
+    until(["group"])
     release.set()
-    assert until(["group", "late"]) == ["group", "late"]
+    until(["group", "late"])
     assert waits.build(lambda made: made("kept") or "kept", dropped.append) == "kept" and dropped == ["group", "late"]
 
 

@@ -266,7 +266,9 @@ if __name__ == "__main__":  # a cluster to poke at by hand: python tests/slurm/c
     work = Path(sys.argv[1])
     work.mkdir(parents=True, exist_ok=True)
     c = Cluster(work)
+    # both stop it, even where the shell that started it in the background left SIGINT ignored
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"export SLURM_CONF={c.env['SLURM_CONF']}", flush=True)
     try:
         while True:

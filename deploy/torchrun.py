@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from deploy.errors import ERROR_DIR, USER_ERROR, collect
+from deploy.errors import ERROR_DIR, USER_ERROR, launcher_lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,17 +39,17 @@ def main(argv: list[str] | None = None) -> int:
             run(args)
             return 0
         except SignalException as e:
+            # Stopped from outside (a stop, or srun ending the step because a rank on another node failed): what
+            # the ranks here hit before it, such as a peer gone from a collective, is still said once.
+            for line in launcher_lines(Path(folder), {})[0]:
+                print(line, file=sys.stderr)
             return 128 + int(e.sigval)
         except ChildFailedError as e:
-            lines, any_user = collect(Path(folder))
+            died = {r: f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}" for r, f in e.failures.items()}
+            lines, any_user = launcher_lines(Path(folder), died)
             for line in lines:
                 print(line, file=sys.stderr)
-            if lines:
-                return USER_ERROR if any_user else 1
-            for rank, failure in sorted(e.failures.items()):
-                how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-                print(f"fleetrl learner: rank {rank} died ({how}) without an error; see its log in RUN_DIR/logs", file=sys.stderr)
-            return 1
+            return USER_ERROR if any_user else 1
 
 
 if __name__ == "__main__":

@@ -376,6 +376,11 @@ def test_a_learner_crash_ends_the_job_promptly(slurm, config, tmp_path):
     assert_ended_clean(job, "FAILED", None, job.actors("n3"))
     assert len(job.actors("n3")) == 1
     assert slurm.exit_codes(job.id)[0] != "0:0"
+    # The job's output is the user's screen: the cause in one line (n2's launcher), and rank 0, whose collective
+    # lost rank 1, says so in one line too (its traceback, 40 lines of two chained gloo errors, is in its log file).
+    out = (tmp_path / f"fleetrl-{job.id}.out").read_text()
+    assert "fleetrl learner: rank 1 died (signal SIGKILL) without an error" in out, out[-3000:]
+    assert "Traceback" not in out, out[out.index("Traceback") - 500 :][:3000]
 
 
 @pytest.mark.skipif(

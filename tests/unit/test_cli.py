@@ -171,12 +171,57 @@ def test_report_and_collect(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert report("learner", raised(RuntimeError("peer gone")), tmp_path / "r1.jsonl") == 1
     assert capsys.readouterr().err == ""  # rank 1: its log file has the traceback, the launcher prints its line
-    assert collect(errors) == ([f"fleetrl learner: rank 1: RuntimeError: peer gone; traceback in {tmp_path / 'r1.jsonl'}"], False)
+    assert collect(errors) == ([f"fleetrl learner: rank 1: RuntimeError: peer gone; traceback in {tmp_path / 'r1.jsonl'}"], False, {1})
     for rank in ("0", "2"):
         monkeypatch.setenv("RANK", rank)
         assert report("learner", raised(ConfigError("data.path: x not found")), None) == 2
     assert capsys.readouterr().err == ""
-    assert collect(errors) == (["fleetrl: config error: data.path: x not found"], True)
+    assert collect(errors) == (["fleetrl: config error: data.path: x not found"], True, {0, 1, 2})
+
+
+# What gloo's TCP pair raises in a collective whose peer rank was SIGKILLed (a Slurm job's learner on two nodes),
+# raised again while the rank's stop ran a second collective.
+GLOO_PEER_GONE = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.213.229.2]:53931: Connection reset by "
+    "peer. This is typically caused by a remote worker hanging or bugs in the application."
+)
+
+
+def test_a_rank_that_lost_a_peer_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """Rank 0's collective fails because rank 1 was killed: that is rank 1's story (the launcher names it), so rank 0
+    shows one line and keeps its traceback to its log file; a bug of rank 0's own still shows its traceback."""
+    from deploy.errors import ERROR_DIR, launcher_lines, peer_gone, report
+
+    def raised_while_handling(first, second):
+        try:
+            try:
+                raise first
+            except RuntimeError:
+                raise second  # noqa: B904 (implicitly chained, as the learner's stop did)
+        except RuntimeError as caught:
+            return caught
+
+    lost = raised_while_handling(RuntimeError(GLOO_PEER_GONE), RuntimeError(GLOO_PEER_GONE))
+    assert peer_gone(lost) and peer_gone(raised_while_handling(RuntimeError(GLOO_PEER_GONE), RuntimeError("scatter")))
+    assert not peer_gone(raised_while_handling(RuntimeError("boom"), RuntimeError("bang")))
+    assert not peer_gone(BrokenPipeError(32, "Broken pipe"))  # this process's own pipe, not a collective's
+
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    monkeypatch.setenv(ERROR_DIR, str(errors))
+    monkeypatch.setenv("RANK", "0")
+    log = tmp_path / "learner.jsonl"
+    assert report("learner", lost, log) == 1
+    assert capsys.readouterr().err == ""  # no traceback on the screen: it is in the log file
+    assert tracebacks(log)[-1]["error"].endswith("This is typically caused by a remote worker hanging or bugs in the application.")
+    said = f"fleetrl learner: rank 0: lost a peer rank in a collective (RuntimeError: {GLOO_PEER_GONE}); traceback in {log}"
+    died = "fleetrl learner: rank 1 died (signal SIGKILL) without an error; see its log in RUN_DIR/logs"
+    # The cause first, then what followed from it; a stopped launcher (srun ending the step) still says the latter.
+    assert launcher_lines(errors, {0: "exit code 1", 1: "signal SIGKILL"}) == ([died, said], False)
+    assert launcher_lines(errors, {}) == ([said], False)
+
+    assert report("learner", raised_while_handling(RuntimeError("boom"), RuntimeError("bang")), log) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err  # a bug of its own: on the screen too
 
 
 def test_demo_checks_before_starting_anything(tmp_path, plain_model_dir, capsys):

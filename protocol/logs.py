@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +78,26 @@ def _stderr_logger(*_args: Any) -> structlog.PrintLogger:
     return structlog.PrintLogger(sys.stderr)
 
 
+# Deprecation notices torch prints when DeepSpeed (ZeRO-3's all_gather_into_tensor, reduce_scatter_tensor) and vLLM
+# (torch.distributed.reduce_op, in its engine core) call its old names: nothing a user can act on.
+_OLD_NAMES = ("reduce_op", "all_gather_into_tensor", "reduce_scatter_tensor")
+_NOT_FOR_USERS = tuple(f"`torch.distributed.{name}` is deprecated" for name in _OLD_NAMES)
+
+
+def _quiet_notices() -> None:
+    """Keep _NOT_FOR_USERS off the screen, in this process and (PYTHONWARNINGS) in the ones it starts: vLLM's CPU
+    build spawns its engine core, a fresh interpreter that knows nothing of this one's filters."""
+    for message in _NOT_FOR_USERS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=FutureWarning)
+    have = [e for e in os.environ.get("PYTHONWARNINGS", "").split(",") if e]
+    wanted = [f"ignore:{message}:FutureWarning" for message in _NOT_FOR_USERS]
+    os.environ["PYTHONWARNINGS"] = ",".join(have + [e for e in wanted if e not in have])
+
+
 def setup_logging(
     role: str, log_file: Path | None = None, level: int = logging.DEBUG if os.environ.get("FLEETRL_DEBUG") else logging.INFO, **context: Any
 ):
+    _quiet_notices()
     set_context(role=role, **context)
     processors: list[Any] = [
         structlog.processors.add_log_level,

@@ -7,8 +7,9 @@ STAMP := $(VENV)/.fleetrl-installed
 TORCH_INDEX ?=
 PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 ARGS ?=
-# make test's pytest-xdist workers. Each test file runs whole on one worker (--dist loadfile: a module's shared
-# engine starts once). The tests' time bounds are set for 2 busy cores; more workers than cores would stretch them.
+# make test's pytest-xdist workers (0: none, one process). Each test file runs whole on one worker (--dist loadfile:
+# a module's shared engine starts once), in the order tests/conftest.py collects them (the Slurm module first).
+# The tests' time bounds are set for 2 busy cores; more workers than cores would stretch them.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast lint bench clean
@@ -33,7 +34,7 @@ IPROUTE2 := command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v
 test: $(STAMP)
 	@$(IPROUTE2)
 	@bash tests/slurm/install.sh  # Debian's slurm-wlm and munge for the Slurm tests, the same way (root and apt, else they skip)
-	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The unit tests alone (tests/unit: no sockets, processes or engines), in about a minute.
 test-fast: $(STAMP)

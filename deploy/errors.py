@@ -84,13 +84,15 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 
 def peer_gone(error: BaseException) -> bool:
-    """Whether `error`, or one it was raised while handling, is a collective that lost a peer rank (torch.distributed
-    raises RuntimeError or its subclasses; a BrokenPipeError of this process's own files is not one)."""
+    """Whether `error` is a collective that lost a peer rank, or a collective that failed while handling one (a
+    rank's stop runs one more). torch.distributed raises RuntimeError or its subclasses: the chain is followed
+    through those only, so that a bug raised while handling a lost peer (a KeyError) is still shown as a bug, and
+    a BrokenPipeError of this process's own files is not one."""
     seen: set[int] = set()
     e: BaseException | None = error
-    while e is not None and id(e) not in seen:
+    while isinstance(e, RuntimeError) and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_GONE):
+        if any(s in str(e) for s in _PEER_GONE):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -121,9 +123,11 @@ def launcher_lines(error_dir: Path, died: dict[int, str]) -> tuple[list[str], bo
     lines, user, spoke = collect(error_dir)
     if user:
         return lines, True
+    # Once a rank has failed, torchrun stops the others with SIGTERM: those that die of it (still starting, say)
+    # are not a cause when another rank said what went wrong.
     silent = [
         f"fleetrl learner: rank {rank} died ({how}) without an error; see its log in RUN_DIR/logs"
         for rank, how in sorted(died.items())
-        if rank not in spoke
+        if rank not in spoke and not (lines and how == "signal SIGTERM")
     ]
     return silent + lines, False

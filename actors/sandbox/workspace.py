@@ -28,13 +28,18 @@ def is_root() -> bool:
     return os.geteuid() == 0
 
 
+def slot_locks() -> Path:
+    """Where each slot's lock file is: a run holds an flock on its slot's file while it lasts."""
+    return Path(tempfile.gettempdir()) / "fleetrl-sandbox-uids"
+
+
 @contextlib.contextmanager
 def uid_slot() -> Iterator[int | None]:
     """A uid no other run is using (root), or None (not root: the run keeps this process's uid)."""
     if not is_root():
         yield None
         return
-    locks = Path(tempfile.gettempdir()) / "fleetrl-sandbox-uids"
+    locks = slot_locks()
     locks.mkdir(mode=0o700, exist_ok=True)
     busy = _uids_in_use()
     first = random.randrange(SLOTS)

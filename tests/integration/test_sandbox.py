@@ -7,6 +7,7 @@ Each test was checked against its protection removed (docs/multi-turn.md#sandbox
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from actors.sandbox import SandboxLimits, SandboxResult, run
-from actors.sandbox.workspace import SLOTS, UID_BASE
+from actors.sandbox.workspace import SLOTS, UID_BASE, slot_locks
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMITS = SandboxLimits(wall_s=2.0, cpu_s=1, memory_bytes=256 << 20, processes=16, file_bytes=8 << 20, output_bytes=64 << 10)
@@ -34,16 +35,35 @@ def sandboxed(code: str, limits: SandboxLimits = LIMITS, stdin: str = "") -> tup
     return result, time.monotonic() - start
 
 
+def _owner(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def _slot_held(uid: int) -> bool:
+    """Whether a run holds `uid`'s slot now (its lock taken), in any process of this machine."""
+    try:
+        fd = os.open(slot_locks() / str(uid - UID_BASE), os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False  # closing the file drops the lock at once
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def sandbox_processes() -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if UID_BASE <= os.stat(f"/proc/{entry}").st_uid < UID_BASE + SLOTS:
-                    pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
+    """Processes of a sandbox uid whose slot no run holds: what a run left behind. A run still going, in another
+    process (make test's other worker runs test_code_reward's sandboxes), holds its slot while its processes live;
+    one that ended between the scan and the lock check has none left, hence the second look at each process."""
+    found = [(int(e), _owner(int(e))) for e in os.listdir("/proc") if e.isdigit()]
+    ours = [(pid, uid) for pid, uid in found if uid is not None and UID_BASE <= uid < UID_BASE + SLOTS]
+    return [pid for pid, uid in ours if not _slot_held(uid) and _owner(pid) == uid]
 
 
 def assert_unharmed() -> None:
@@ -207,3 +227,33 @@ def test_daemon_that_left_its_session_is_killed():
     result, elapsed = sandboxed(code)
     assert (result.reason, result.stdout) == ("ok", b"left\n") and elapsed < 10.0  # not the daemon's 60 s
     assert_unharmed()
+
+
+@needs_root
+def test_the_leftover_scan_tells_a_run_in_progress_from_a_leftover():
+    """assert_unharmed's scan: a process of a sandbox uid is a leftover unless a run holds that uid's slot (another
+    process's run, on make test's other worker)."""
+    uid = UID_BASE + SLOTS - 1
+    slot_locks().mkdir(mode=0o700, exist_ok=True)
+    stray = subprocess.Popen(["sleep", "30"], user=uid, group=uid)
+    try:
+        assert wait_for_owner(stray.pid, uid) and stray.pid in sandbox_processes()
+        fd = os.open(slot_locks() / str(SLOTS - 1), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run in progress holds it
+            assert stray.pid not in sandbox_processes()
+        finally:
+            os.close(fd)
+        assert stray.pid in sandbox_processes()
+    finally:
+        stray.kill()
+        stray.wait()
+    assert stray.pid not in sandbox_processes()
+
+
+def wait_for_owner(pid: int, uid: int, timeout_s: float = 5.0) -> bool:
+    """The child has dropped to `uid` (Popen returns once it has exec'd, but be sure)."""
+    deadline = time.monotonic() + timeout_s
+    while _owner(pid) != uid and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _owner(pid) == uid

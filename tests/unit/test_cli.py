@@ -198,12 +198,13 @@ def test_a_rank_that_lost_a_peer_says_so_in_one_line(tmp_path, capsys, monkeypat
                 raise first
             except RuntimeError:
                 raise second  # noqa: B904 (implicitly chained, as the learner's stop did)
-        except RuntimeError as caught:
+        except Exception as caught:
             return caught
 
     lost = raised_while_handling(RuntimeError(GLOO_PEER_GONE), RuntimeError(GLOO_PEER_GONE))
     assert peer_gone(lost) and peer_gone(raised_while_handling(RuntimeError(GLOO_PEER_GONE), RuntimeError("scatter")))
     assert not peer_gone(raised_while_handling(RuntimeError("boom"), RuntimeError("bang")))
+    assert not peer_gone(raised_while_handling(RuntimeError(GLOO_PEER_GONE), KeyError("step")))  # a bug, while handling
     assert not peer_gone(BrokenPipeError(32, "Broken pipe"))  # this process's own pipe, not a collective's
 
     errors = tmp_path / "errors"
@@ -219,6 +220,9 @@ def test_a_rank_that_lost_a_peer_says_so_in_one_line(tmp_path, capsys, monkeypat
     # The cause first, then what followed from it; a stopped launcher (srun ending the step) still says the latter.
     assert launcher_lines(errors, {0: "exit code 1", 1: "signal SIGKILL"}) == ([died, said], False)
     assert launcher_lines(errors, {}) == ([said], False)
+    # torchrun stopped rank 2 (SIGTERM) once rank 1 had died: not a cause. With no line from any rank, it is named.
+    assert launcher_lines(errors, {1: "signal SIGKILL", 2: "signal SIGTERM"}) == ([died, said], False)
+    assert launcher_lines(tmp_path, {2: "signal SIGTERM"})[0] == [died.replace("rank 1", "rank 2").replace("SIGKILL", "SIGTERM")]
 
     assert report("learner", raised_while_handling(RuntimeError("boom"), RuntimeError("bang")), log) == 1
     assert "Traceback (most recent call last)" in capsys.readouterr().err  # a bug of its own: on the screen too

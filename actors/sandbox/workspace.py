@@ -41,7 +41,7 @@ def uid_slot() -> Iterator[int | None]:
         return
     locks = slot_locks()
     locks.mkdir(mode=0o700, exist_ok=True)
-    busy = _uids_in_use()
+    busy = set(sandbox_processes().values())
     first = random.randrange(SLOTS)
     for i in range(SLOTS):
         slot = (first + i) % SLOTS
@@ -61,15 +61,15 @@ def uid_slot() -> Iterator[int | None]:
     raise RuntimeError(f"all {SLOTS} sandbox uids are in use")
 
 
-def _uids_in_use() -> set[int]:
-    """Sandbox uids that own a process now (the owner of /proc/PID is the process's effective uid)."""
-    out = set()
+def sandbox_processes() -> dict[int, int]:
+    """Every process of a sandbox uid now, pid -> uid (the owner of /proc/PID is the process's effective uid)."""
+    out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 uid = os.stat(f"/proc/{entry}").st_uid
                 if UID_BASE <= uid < UID_BASE + SLOTS:
-                    out.add(uid)
+                    out[int(entry)] = uid
     return out
 
 

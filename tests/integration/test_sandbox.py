@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
-from actors.sandbox import SandboxLimits, SandboxResult, run
+from actors.sandbox import SandboxLimits, SandboxResult, run, workspace
 from actors.sandbox.workspace import SLOTS, UID_BASE, slot_locks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,9 +62,7 @@ def sandbox_processes() -> list[int]:
     """Processes of a sandbox uid whose slot no run holds: what a run left behind. A run still going, in another
     process (make test's other worker runs test_code_reward's sandboxes), holds its slot while its processes live;
     one that ended between the scan and the lock check has none left, hence the second look at each process."""
-    found = [(int(e), _owner(int(e))) for e in os.listdir("/proc") if e.isdigit()]
-    ours = [(pid, uid) for pid, uid in found if uid is not None and UID_BASE <= uid < UID_BASE + SLOTS]
-    return [pid for pid, uid in ours if not _slot_held(uid) and _owner(pid) == uid]
+    return [pid for pid, uid in workspace.sandbox_processes().items() if not _slot_held(uid) and _owner(pid) == uid]
 
 
 def assert_unharmed() -> None:
@@ -237,7 +236,8 @@ def test_the_leftover_scan_tells_a_run_in_progress_from_a_leftover():
     slot_locks().mkdir(mode=0o700, exist_ok=True)
     stray = subprocess.Popen(["sleep", "30"], user=uid, group=uid)
     try:
-        assert wait_for_owner(stray.pid, uid) and stray.pid in sandbox_processes()
+        wait_until(lambda: _owner(stray.pid) == uid, f"the child did not drop to uid {uid}", 5.0, every_s=0.01)
+        assert stray.pid in sandbox_processes()
         fd = os.open(slot_locks() / str(SLOTS - 1), os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run in progress holds it
@@ -249,11 +249,3 @@ def test_the_leftover_scan_tells_a_run_in_progress_from_a_leftover():
         stray.kill()
         stray.wait()
     assert stray.pid not in sandbox_processes()
-
-
-def wait_for_owner(pid: int, uid: int, timeout_s: float = 5.0) -> bool:
-    """The child has dropped to `uid` (Popen returns once it has exec'd, but be sure)."""
-    deadline = time.monotonic() + timeout_s
-    while _owner(pid) != uid and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return _owner(pid) == uid
